@@ -1,0 +1,69 @@
+"""The twistd entry point: command-line options and ``makeService``.
+
+``twistd -n synflow --config workers/shared.yaml --config workers/master.yaml``
+loads the config files (later ones override earlier ones), validates them,
+and builds the process's service tree for its ``app``. A config error stops
+start-up with one line naming the file, the key and the problem -- never a
+traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from twisted.application.service import IService
+from twisted.python import usage
+
+from synflow.errors import ConfigError, SynflowError
+
+
+class Options(usage.Options):
+    """Options of ``twistd synflow``."""
+
+    synopsis = "--config FILE [--config FILE ...]"
+    longdesc = (
+        "Runs one synflow process. Its app type (master, event_persister, "
+        "federation_sender, cache_invalidator) and everything else come from "
+        "the YAML config files; later files override earlier ones key by key. "
+        "See docs/configuration.md for every key."
+    )
+    optFlags = [
+        ["check-config", None, "Validate the config files, print a summary and exit."],
+    ]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self["config"] = []
+
+    def opt_config(self, path: str) -> None:
+        """A YAML config file (repeatable; later files override earlier ones)."""
+        self["config"].append(path)
+
+    opt_c = opt_config
+
+    def postOptions(self) -> None:
+        if not self["config"]:
+            raise usage.UsageError("at least one --config FILE is required")
+
+
+def makeService(options: Options) -> IService:
+    """Build the service tree of the configured process (twistd calls this)."""
+    from twisted.internet import reactor
+
+    from synflow.app.build import build_service, setup_logging
+    from synflow.config import load_config
+
+    try:
+        config = load_config(options["config"])
+        if options["check-config"]:
+            print(f"config OK: {config.app} {config.instance_name!r} of {config.server_name!r}")
+            sys.exit(0)
+        setup_logging(config)
+        return build_service(config, reactor)
+    except ConfigError as e:
+        # twistd would print a traceback; an operator needs one clear line.
+        sys.stderr.write(f"synflow: configuration error: {e}\n")
+        sys.exit(78)  # EX_CONFIG
+    except SynflowError as e:
+        sys.stderr.write(f"synflow: cannot start: {e}\n")
+        sys.exit(1)

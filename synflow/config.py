@@ -1,0 +1,520 @@
+"""Configuration: YAML files merged into frozen attrs values, validated once.
+
+A process is configured by a list of YAML files (``--config`` repeated):
+typically ``workers/shared.yaml`` then ``workers/<instance>.yaml``. Later
+files override earlier ones key by key (mappings merge recursively; any other
+value replaces). The merged mapping is turned into :class:`SynflowConfig` by a
+small structuring walker that checks every key against the attrs classes
+below: unknown keys, wrong types, bad values and cross-field mistakes raise
+:class:`~synflow.errors.ConfigError`, whose message names the file the value
+came from, the dotted key path and what is wrong. Nothing else reads YAML.
+
+docs/configuration.md documents every key; keep the two in step.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, TypeVar, get_args, get_origin
+
+import attrs
+import yaml
+
+from synflow.errors import ConfigError
+
+T = TypeVar("T")
+
+APP_TYPES = ("master", "event_persister", "federation_sender", "cache_invalidator")
+
+
+class Transport(enum.Enum):
+    """How replication commands travel between processes."""
+
+    TCP = "tcp"
+    REDIS = "redis"
+
+
+# -- sections ------------------------------------------------------------------------
+
+
+@attrs.frozen
+class HostPort:
+    """A TCP address on another process (an ``instance_map`` entry or the hub)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+
+    def client_endpoint(self) -> str:
+        """The Twisted client endpoint description for this address."""
+        return f"tcp:host={self.host}:port={self.port}"
+
+    def server_endpoint(self) -> str:
+        """The Twisted server endpoint description that listens on this address."""
+        return f"tcp:{self.port}:interface={self.host}"
+
+
+@attrs.frozen
+class TlsConfig:
+    """TLS for a Redis connection: CA to verify the server, optional client cert."""
+
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+
+
+@attrs.frozen
+class RedisConfig:
+    """A Redis server (replication transport or shared cache tier)."""
+
+    host: str = "127.0.0.1"
+    port: int = 6379
+    path: str | None = None
+    password: str | None = None
+    password_file: str | None = None
+    dbid: int = 0
+    tls: TlsConfig | None = None
+    channel_prefix: str | None = None
+    connect_timeout_s: float = 10.0
+
+
+@attrs.frozen
+class ReplicationConfig:
+    """How processes replicate: the TCP hub (default) or Redis pub/sub."""
+
+    transport: Transport = Transport.TCP
+    hub: HostPort = HostPort("127.0.0.1", 9092)
+    redis: RedisConfig = RedisConfig()
+    secret: str | None = None
+    secret_file: str | None = None
+    ping_interval_s: float = 5.0
+    ping_timeout_s: float = 15.0
+    high_water: int = 10_000
+    hard_limit: int = 20_000
+    idle_announce_interval_s: float = 1.0
+    wait_for_position_timeout_s: float = 5.0
+
+
+@attrs.frozen
+class DatabaseSection:
+    """``database:`` -- passed to the storage layer's own validator."""
+
+    engine: Literal["sqlite", "postgres"] = "sqlite"
+    path: str | None = None
+    host: str | None = None
+    port: int | None = None
+    user: str | None = None
+    password: str | None = None
+    dbname: str | None = None
+    cp_min: int | None = None
+    cp_max: int | None = None
+    connect_timeout_s: float | None = None
+
+
+@attrs.frozen
+class BackoffSection:
+    initial_s: float = 10.0
+    multiplier: float = 2.0
+    max_s: float = 86400.0
+    jitter: float = 0.2
+
+
+@attrs.frozen
+class FederationConfig:
+    """``federation:`` -- outbound sending and inbound acceptance."""
+
+    destinations: dict[str, str] = attrs.Factory(dict)
+    backoff: BackoffSection = BackoffSection()
+    catch_up_after_s: float = 3600.0
+    wakeup_interval_s: float = 60.0
+    request_timeout_s: float = 30.0
+    allowed_origins: list[str] | None = None
+    verify_tls: bool = True
+    max_body_bytes: int = 2 * 1024 * 1024
+
+
+@attrs.frozen
+class CacheConfig:
+    """``caches:`` -- per-process LRU sizes and the shared Redis tier."""
+
+    default_size: int = 10_000
+    sizes: dict[str, int] = attrs.Factory(dict)
+    tier: RedisConfig | None = None
+    tier_ttl_s: float = 3600.0
+    cache_invalidator_instances: list[str] = attrs.Factory(list)
+
+
+@attrs.frozen
+class AuditConfig:
+    """``audit:`` -- the stream audit log (input of the Spark validator)."""
+
+    enabled: bool = True
+    dir: str = "var/audit"
+    max_bytes: int = 64 * 1024 * 1024
+
+
+@attrs.frozen
+class LimitsConfig:
+    """``limits:`` -- bounds on what clients may send."""
+
+    max_request_bytes: int = 1024 * 1024
+    max_event_bytes: int = 64 * 1024
+    max_json_depth: int = 64
+    rate_limit_per_s: float | None = None
+    rate_limit_burst: int = 50
+    sync_max_timeout_ms: int = 60_000
+    sync_default_limit: int = 100
+    sync_max_limit: int = 1000
+
+
+@attrs.frozen
+class Listener:
+    """One HTTP listener of this process."""
+
+    type: Literal["client", "federation", "internal", "metrics"]
+    endpoint: str
+
+
+@attrs.frozen
+class SynflowConfig:
+    """Everything one process needs, merged from its config files."""
+
+    server_name: str
+    app: str
+    instance_name: str
+    data_dir: str = "var"
+    database: DatabaseSection = DatabaseSection()
+    replication: ReplicationConfig = ReplicationConfig()
+    instance_map: dict[str, HostPort] = attrs.Factory(dict)
+    stream_writers: dict[str, list[str]] = attrs.Factory(dict)
+    federation_sender_instances: list[str] = attrs.Factory(list)
+    federation: FederationConfig = FederationConfig()
+    caches: CacheConfig = CacheConfig()
+    audit: AuditConfig = AuditConfig()
+    limits: LimitsConfig = LimitsConfig()
+    listeners: list[Listener] = attrs.Factory(list)
+    log_file: str | None = None
+    log_level: str = "INFO"
+    pid_file: str | None = None
+    #: The files this config came from, in order (not a YAML key).
+    files: tuple[str, ...] = ()
+
+    # -- derived -------------------------------------------------------------------
+
+    @property
+    def event_writers(self) -> list[str]:
+        """The ordered list of event persisters (rooms shard over it)."""
+        return list(self.stream_writers.get("events", ["master"]))
+
+    def replication_secret(self) -> str | None:
+        """The shared replication secret, from the config or its file."""
+        return _secret(self.replication.secret, self.replication.secret_file)
+
+    def listener(self, kind: str) -> Listener | None:
+        """This process's listener of one type, if it has one."""
+        for listener in self.listeners:
+            if listener.type == kind:
+                return listener
+        return None
+
+    def path(self, relative: str) -> str:
+        """A path from the config, made absolute against the working directory."""
+        return os.path.abspath(relative)
+
+
+def _secret(value: str | None, path: str | None) -> str | None:
+    if value is not None:
+        return value
+    if path is None:
+        return None
+    with open(path, encoding="utf-8") as f:
+        return f.read().strip()
+
+
+# -- loading ------------------------------------------------------------------------------
+
+
+def load_config(paths: Sequence[str], overrides: Mapping[str, Any] | None = None) -> SynflowConfig:
+    """Load, merge and validate config files.
+
+    Args:
+        paths: YAML files, later ones overriding earlier ones.
+        overrides: a final mapping merged on top (used by tests and tools).
+
+    Raises:
+        ConfigError: naming the file, the key and what is wrong.
+    """
+    if not paths:
+        raise ConfigError("no config file given (use --config FILE, repeatable)")
+    merged: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+    for path in paths:
+        data = _read_yaml(path)
+        _merge(merged, data, origins, path, "")
+    if overrides:
+        _merge(merged, dict(overrides), origins, "<overrides>", "")
+    config = structure(SynflowConfig, merged, origins, "")
+    config = attrs.evolve(config, files=tuple(str(p) for p in paths))
+    validate(config, origins)
+    return config
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError("config file not found", path=path) from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file: {e.strerror}", path=path) from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError(f"invalid YAML{where}: {problem}", path=path) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"the top level must be a mapping, got {_typename(data)}", path=path)
+    return data
+
+
+def _merge(into: dict[str, Any], data: Mapping[str, Any], origins: dict[str, str], path: str, prefix: str) -> None:
+    for key, value in data.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"keys must be strings, got {key!r}", path=path, key=prefix.rstrip(".") or None)
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value, origins, path, dotted + ".")
+        else:
+            into[key] = _copy(value)
+            _record_origins(value, origins, path, dotted)
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value
+
+
+def _record_origins(value: Any, origins: dict[str, str], path: str, dotted: str) -> None:
+    origins[dotted] = path
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _record_origins(v, origins, path, f"{dotted}.{k}")
+
+
+def _origin(origins: Mapping[str, str], key: str) -> str | None:
+    while key:
+        if key in origins:
+            return origins[key]
+        key = key.rpartition(".")[0]
+    return None
+
+
+def config_error(origins: Mapping[str, str], key: str, message: str) -> ConfigError:
+    """A ConfigError for ``key``, naming the file the key came from."""
+    return ConfigError(message, path=_origin(origins, key), key=key or None)
+
+
+# -- structuring --------------------------------------------------------------------------
+
+
+def _typename(value: Any) -> str:
+    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
+            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def structure(cls: type[T], data: Any, origins: Mapping[str, str], key: str) -> T:
+    """Turn a mapping into the attrs class ``cls``, checking every key.
+
+    Raises:
+        ConfigError: for an unknown key, a missing required key, a wrong type
+            or a bad value, naming its file and dotted key path.
+    """
+    if not isinstance(data, dict):
+        raise config_error(origins, key, f"must be a mapping, got {_typename(data)}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in attrs.fields(cls) if f.name != "files"}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        sub = f"{key}.{unknown[0]}" if key else unknown[0]
+        raise config_error(origins, sub, f"unknown key (known keys here: {', '.join(sorted(fields))})")
+    kwargs: dict[str, Any] = {}
+    for name, field in fields.items():
+        sub = f"{key}.{name}" if key else name
+        if name not in data:
+            if field.default is attrs.NOTHING:
+                raise config_error(origins, sub, "is required")
+            continue
+        kwargs[name] = _convert(hints[name], data[name], origins, sub)
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise config_error(origins, key, str(e)) from None
+
+
+def _convert(tp: Any, value: Any, origins: Mapping[str, str], key: str) -> Any:
+    origin = get_origin(tp)
+    args = get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        non_none = [a for a in args if a is not type(None)]
+        if len(non_none) == 1:
+            return _convert(non_none[0], value, origins, key)
+        raise config_error(origins, key, "unsupported union type")  # pragma: no cover
+    if origin is Literal:
+        if value not in args:
+            raise config_error(origins, key, f"must be one of {', '.join(map(str, args))}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise config_error(origins, key, f"must be a list, got {_typename(value)}")
+        return [_convert(args[0], v, origins, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise config_error(origins, key, f"must be a mapping, got {_typename(value)}")
+        return {
+            _convert(args[0], k, origins, key): _convert(args[1], v, origins, f"{key}.{k}")
+            for k, v in value.items()
+        }
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(value)
+        except ValueError:
+            choices = ", ".join(str(m.value) for m in tp)
+            raise config_error(origins, key, f"must be one of {choices}, got {value!r}") from None
+    if attrs.has(tp):
+        return structure(tp, value, origins, key)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise config_error(origins, key, f"must be true or false, got {_typename(value)} {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise config_error(origins, key, f"must be an integer, got {_typename(value)} {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise config_error(origins, key, f"must be a number, got {_typename(value)} {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise config_error(origins, key, f"must be a string, got {_typename(value)} {value!r}")
+        return value
+    raise config_error(origins, key, f"unsupported type {tp!r}")  # pragma: no cover
+
+
+# -- cross-field checks -----------------------------------------------------------------------
+
+
+def validate(config: SynflowConfig, origins: Mapping[str, str]) -> None:
+    """Checks that span several keys. Raises ConfigError naming the key."""
+    if not config.server_name or " " in config.server_name:
+        raise config_error(origins, "server_name", f"must be a non-empty name without spaces, got {config.server_name!r}")
+    if config.app not in APP_TYPES:
+        raise config_error(origins, "app", f"unknown app {config.app!r}; expected one of {', '.join(APP_TYPES)}")
+    if not config.instance_name or any(c in config.instance_name for c in " \n/"):
+        raise config_error(origins, "instance_name", f"must be a non-empty name without spaces or slashes, got {config.instance_name!r}")
+    if config.app == "master" and config.instance_name != "master":
+        raise config_error(origins, "instance_name", "the master's instance_name must be 'master'")
+    if config.app != "master" and config.instance_name == "master":
+        raise config_error(origins, "instance_name", "'master' is reserved for the app: master process")
+    for name in config.instance_map:
+        if not name or " " in name:
+            raise config_error(origins, "instance_map", f"bad instance name {name!r}")
+    for stream, writers in config.stream_writers.items():
+        if stream not in ("events",):
+            raise config_error(origins, f"stream_writers.{stream}", "unknown stream; only 'events' has configurable writers")
+        if not writers:
+            raise config_error(origins, f"stream_writers.{stream}", "needs at least one writer")
+        if len(set(writers)) != len(writers):
+            raise config_error(origins, f"stream_writers.{stream}", "lists a writer twice")
+        for writer in writers:
+            if writer not in config.instance_map:
+                raise config_error(
+                    origins, f"stream_writers.{stream}",
+                    f"writer {writer!r} is missing from instance_map (every writer needs an internal listener address)",
+                )
+    for i, sender in enumerate(config.federation_sender_instances):
+        if sender not in config.instance_map:
+            raise config_error(origins, f"federation_sender_instances[{i}]", f"{sender!r} is missing from instance_map")
+    for i, inv in enumerate(config.caches.cache_invalidator_instances):
+        if inv not in config.instance_map:
+            raise config_error(origins, f"caches.cache_invalidator_instances[{i}]", f"{inv!r} is missing from instance_map")
+    if config.app in ("event_persister",) and config.instance_name not in config.event_writers:
+        raise config_error(origins, "instance_name", f"event_persister {config.instance_name!r} is not listed in stream_writers.events")
+    if config.instance_name not in config.instance_map and config.app != "master":
+        raise config_error(origins, "instance_map", f"this process ({config.instance_name!r}) is missing from instance_map")
+    _check_ports(config, origins)
+    _check_secret_file(origins, "replication.secret_file", config.replication.secret_file)
+    _check_secret_file(origins, "replication.redis.password_file", config.replication.redis.password_file)
+    if config.caches.tier is not None:
+        _check_secret_file(origins, "caches.tier.password_file", config.caches.tier.password_file)
+    if config.replication.ping_timeout_s <= config.replication.ping_interval_s:
+        raise config_error(origins, "replication.ping_timeout_s", "must be longer than replication.ping_interval_s")
+    if not 0 < config.replication.high_water <= config.replication.hard_limit:
+        raise config_error(origins, "replication.high_water", "need 0 < high_water <= hard_limit")
+    for kind in ("client", "federation", "internal", "metrics"):
+        if sum(1 for listener in config.listeners if listener.type == kind) > 1:
+            raise config_error(origins, "listeners", f"more than one {kind!r} listener")
+    if config.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise config_error(origins, "log_level", f"must be DEBUG, INFO, WARNING or ERROR, got {config.log_level!r}")
+    for name, url in config.federation.destinations.items():
+        if not url.startswith(("http://", "https://")):
+            raise config_error(origins, f"federation.destinations.{name}", f"must be an http:// or https:// URL, got {url!r}")
+
+
+def _check_secret_file(origins: Mapping[str, str], key: str, path: str | None) -> None:
+    if path is None:
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            f.read()
+    except OSError as e:
+        raise config_error(origins, key, f"cannot read secret file {path!r}: {e.strerror}") from None
+
+
+def listener_port(endpoint: str) -> int | None:
+    """The TCP port a server endpoint description listens on, if it is TCP."""
+    parts = endpoint.split(":")
+    if parts and parts[0] in ("tcp", "ssl") and len(parts) > 1:
+        for part in parts[1:]:
+            if part.isdigit():
+                return int(part)
+            if part.startswith("port="):
+                return int(part[5:]) if part[5:].isdigit() else None
+    return None
+
+
+def _check_ports(config: SynflowConfig, origins: Mapping[str, str]) -> None:
+    seen: dict[int, str] = {}
+
+    def claim(port: int | None, key: str) -> None:
+        if not port:
+            return
+        if port in seen:
+            raise config_error(origins, key, f"port {port} is already used by {seen[port]}")
+        seen[port] = key
+
+    for i, listener in enumerate(config.listeners):
+        if listener.type == "internal":
+            raise config_error(
+                origins, f"listeners[{i}]",
+                "the internal listener comes from instance_map; do not list it under listeners",
+            )
+        port = listener_port(listener.endpoint)
+        if port is None and not listener.endpoint.startswith(("unix:", "tcp:0", "tcp:port=0")):
+            raise config_error(origins, f"listeners[{i}].endpoint", f"not a server endpoint description: {listener.endpoint!r}")
+        claim(port, f"listeners[{i}].endpoint")
+    own = config.instance_map.get(config.instance_name)
+    if own is not None:
+        claim(own.port, f"instance_map.{config.instance_name}.port")
+    if config.app == "master" and config.replication.transport is Transport.TCP:
+        claim(config.replication.hub.port, "replication.hub.port")

@@ -1,0 +1,99 @@
+"""The synflow error hierarchy.
+
+Every error synflow raises on purpose derives from :class:`SynflowError`, so
+callers can tell "synflow refused this, with a reason" apart from a bug. The
+message of each error says what was wrong, with the offending value, and
+where it helps, what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class SynflowError(Exception):
+    """Base class of every error synflow raises deliberately."""
+
+
+class ProtocolError(SynflowError):
+    """Something about a replication line or connection broke the protocol."""
+
+
+class LocalProtocolError(ProtocolError):
+    """This process tried to send something the protocol does not allow.
+
+    Nothing was written to the connection.
+    """
+
+
+class RemoteProtocolError(ProtocolError):
+    """The peer sent something the protocol does not allow.
+
+    The connection answers with ``ERROR <message>`` and closes.
+    """
+
+
+class ConfigError(SynflowError):
+    """A configuration file or value is invalid.
+
+    Attributes:
+        path: the file the problem is in, when known.
+        key: the dotted key path of the offending value, when known.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, key: str | None = None):
+        self.path = path
+        self.key = key
+        self.reason = message
+        where = []
+        if path:
+            where.append(str(path))
+        if key:
+            where.append(key)
+        super().__init__(f"{': '.join(where)}: {message}" if where else message)
+
+
+class StorageError(SynflowError):
+    """The database is unusable or inconsistent in a way synflow cannot repair."""
+
+
+class InconsistentPositionsError(StorageError):
+    """Stream positions on disk disagree with the stream's sequence.
+
+    Start-up stops with this error when repairing it automatically could lose
+    or duplicate facts; the message says which rows to check and how to fix them.
+    """
+
+
+class SchemaVersionError(StorageError):
+    """The database schema is not at the version this code needs."""
+
+
+class TokenError(SynflowError):
+    """A stream token could not be parsed or is out of range."""
+
+
+class ShardingError(SynflowError):
+    """A key was routed to an instance that does not own it, or no instance exists."""
+
+
+class HttpApiError(SynflowError):
+    """An error with an HTTP status and a Matrix-style ``errcode``.
+
+    Raised by request handlers; the HTTP layer turns it into a JSON body
+    ``{"errcode": ..., "error": ...}`` with the given status.
+    """
+
+    def __init__(self, code: int, errcode: str, message: str, **extra: object):
+        super().__init__(message)
+        self.code = code
+        self.errcode = errcode
+        self.msg = message
+        self.extra = extra
+
+    def to_json(self) -> dict[str, object]:
+        body: dict[str, object] = {"errcode": self.errcode, "error": self.msg}
+        body.update(self.extra)
+        return body
+
+
+class RpcError(SynflowError):
+    """An internal RPC call to another synflow process failed."""

@@ -1,0 +1,196 @@
+"""The worker side: a replication client that reconnects forever.
+
+:class:`ReplicationClientService` keeps one connection to the master's hub
+open. A refused connect, or a connection that closes before its handshake
+completed, counts as a failure, and the next attempt waits a capped, jittered
+exponential backoff (clock and randomness injected). A handshake that
+completes (the expected ``SERVER`` arrived) resets the count, so the attempt
+after a clean disconnect waits only the initial delay. After each reconnect
+the handler sees a new connection and every stream goes through the
+POSITION/catch-up path again. It retries until the service is stopped.
+
+(Twisted's ``ClientService`` is not used: it does not survive a connection
+lost while its ``prepareConnection`` Deferred is pending, which is exactly a
+handshake failing.)
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+from twisted.application.service import Service
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.interfaces import IAddress, IDelayedCall, IReactorTime, IStreamClientEndpoint
+from twisted.internet.protocol import Factory
+from twisted.python.failure import Failure
+
+from synflow.backoff import Backoff
+from synflow.replication.commands import AnyCommand, Side
+from synflow.replication.core import ConnectionCore
+from synflow.replication.hub import CommandHandler
+from synflow.replication.protocol import ReplicationProtocol
+
+logger = logging.getLogger(__name__)
+
+#: Reconnect delays: 0.1 s doubling to 5 s, +/-10 % jitter.
+DEFAULT_RECONNECT_BACKOFF = Backoff(initial_s=0.1, multiplier=2.0, max_s=5.0, jitter=0.1)
+
+
+class _ClientFactory(Factory):
+    def __init__(self, service: ReplicationClientService) -> None:
+        self.service = service
+
+    def buildProtocol(self, addr: IAddress | None) -> ReplicationProtocol:
+        svc = self.service
+        core = ConnectionCore(
+            Side.CLIENT,
+            server_name=svc.server_name,
+            instance_name=svc.instance_name,
+            **svc.core_options,  # type: ignore[arg-type]
+        )
+        proto = ReplicationProtocol(core, svc, svc.clock)
+        proto.factory = self
+        return proto
+
+
+class ReplicationClientService(Service):
+    """Keeps a worker connected to the master's replication hub.
+
+    Args:
+        endpoint: where the hub listens.
+        server_name: the server name the hub must announce.
+        instance_name: this worker's name, sent in NAME.
+        handler: the replication handler (or None).
+        clock: the reactor's time.
+        backoff: reconnect delays.
+        rng: randomness for the jitter.
+        core_options: keyword arguments for each :class:`ConnectionCore`.
+    """
+
+    def __init__(
+        self,
+        endpoint: IStreamClientEndpoint,
+        *,
+        server_name: str,
+        instance_name: str,
+        handler: CommandHandler | None,
+        clock: IReactorTime,
+        backoff: Backoff = DEFAULT_RECONNECT_BACKOFF,
+        rng: random.Random | None = None,
+        **core_options: object,
+    ) -> None:
+        self.endpoint = endpoint
+        self.server_name = server_name
+        self.instance_name = instance_name
+        self.handler = handler
+        self.clock = clock
+        self.backoff = backoff
+        self.rng = rng or random.Random()
+        self.core_options = core_options
+        self.factory = _ClientFactory(self)
+        self.connection: ReplicationProtocol | None = None
+        self.failures = 0
+        self.dropped_commands = 0
+        self.connects = 0
+        self._attempt: Deferred[Any] | None = None
+        self._retry: IDelayedCall | None = None
+        self._stopped: Deferred[None] | None = None
+
+    @property
+    def connected(self) -> bool:
+        return self.connection is not None
+
+    @property
+    def retry_call(self) -> IDelayedCall | None:
+        """The scheduled next connection attempt, if one is waiting."""
+        return self._retry
+
+    # -- Service -------------------------------------------------------------------
+
+    def startService(self) -> None:
+        super().startService()
+        self._connect()
+
+    def stopService(self) -> Deferred[None]:
+        super().stopService()
+        if self._retry is not None and self._retry.active():
+            self._retry.cancel()
+        self._retry = None
+        if self._attempt is not None:
+            self._attempt.cancel()
+        if self.connection is None:
+            return succeed(None)
+        self._stopped = Deferred()
+        self.connection.close("worker shutting down")
+        return self._stopped
+
+    # -- connecting ------------------------------------------------------------------
+
+    def _connect(self) -> None:
+        self._retry = None
+        if not self.running:
+            return
+        d = self._attempt = self.endpoint.connect(self.factory)
+        d.addCallbacks(self._connect_succeeded, self._connect_failed)
+
+    def _connect_succeeded(self, proto: ReplicationProtocol) -> None:
+        self._attempt = None
+        proto.when_handshake_done().addCallbacks(self._handshake_done, lambda _f: None)
+
+    def _connect_failed(self, failure: Failure) -> None:
+        self._attempt = None
+        if not self.running:
+            return
+        self.failures += 1
+        logger.info(
+            "could not connect to the replication hub (%s); attempt %d failed",
+            failure.getErrorMessage(), self.failures,
+        )
+        self._schedule_retry()
+
+    def _handshake_done(self, proto: ReplicationProtocol) -> None:
+        self.failures = 0
+
+    def _schedule_retry(self) -> None:
+        delay = self.backoff.delay(max(1, self.failures), self.rng)
+        self._retry = self.clock.callLater(delay, self._connect)
+
+    # -- sending ---------------------------------------------------------------------
+
+    def send_command(self, cmd: AnyCommand) -> None:
+        """Send on the current connection; without one, drop it and count it."""
+        if self.connection is None:
+            self.dropped_commands += 1
+            logger.debug("not connected to the replication hub; dropped %s", cmd.NAME)
+            return
+        self.connection.send_command(cmd)
+
+    # -- CommandReceiver ---------------------------------------------------------------
+
+    def connection_made(self, conn: ReplicationProtocol) -> None:
+        self.connection = conn
+        self.connects += 1
+        if self.handler is not None:
+            self.handler.new_connection(conn)
+
+    def connection_lost(self, conn: ReplicationProtocol, reason: Failure) -> None:
+        if self.connection is conn:
+            self.connection = None
+        if not conn.core.handshake_complete:
+            self.failures += 1
+        else:
+            self.failures = max(self.failures, 1)
+        logger.info("replication connection to %s lost: %s", self.server_name, reason.getErrorMessage())
+        if self.handler is not None:
+            self.handler.lost_connection(conn)
+        if self._stopped is not None:
+            d, self._stopped = self._stopped, None
+            d.callback(None)
+        if self.running and self._retry is None and self._attempt is None:
+            self._schedule_retry()
+
+    def on_command(self, conn: ReplicationProtocol, cmd: AnyCommand) -> None:
+        if self.handler is not None:
+            self.handler.on_command(conn, cmd)

@@ -1,0 +1,603 @@
+"""The replication command codec: one frozen value class per command.
+
+This module is pure: it turns one line of text into a command value and back,
+and knows which side of a connection may send each command. It never touches
+a socket, and it is shared by every transport (the TCP hub and Redis).
+
+Wire format (the same text Synapse's replication protocol uses, byte for
+byte): UTF-8, one command per line, ``\\n``-terminated on a stream transport.
+The word before the first space is the command name; the rest of the line is
+its argument string, which each class parses itself. A command is encoded as
+``NAME + " " + args``, so a command without arguments goes out with a single
+trailing space (``"REPLICATE "``); the parser accepts it with or without.
+Rows are compact JSON arrays (``,`` and ``:`` separators, non-ASCII escaped),
+and ``NaN``/``Infinity`` are refused in both directions.
+
+Two functions form the public contract other code and outside checks rely on:
+
+* :func:`parse_line` -- ``str | bytes`` to a command, raising
+  :class:`~synflow.errors.RemoteProtocolError` (a ``ProtocolError``) and
+  nothing else on any malformed input;
+* :func:`encode_line` -- a command to its full line, without the newline,
+  raising :class:`~synflow.errors.LocalProtocolError` if it cannot be sent.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import re
+from typing import Any, ClassVar, Final, Protocol, TypeAlias
+
+import attrs
+
+from synflow.errors import LocalProtocolError, RemoteProtocolError
+
+#: Longest line accepted or sent, in bytes of UTF-8, excluding the newline.
+MAX_LINE_LENGTH: Final = 16 * 1024
+
+#: The literal RDATA token of every row of a multi-row batch but the last.
+BATCH_TOKEN: Final = "batch"
+
+_INT_RE = re.compile(r"-?[0-9]{1,19}\Z")
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+class Side(enum.Flag):
+    """Which end of a point-to-point connection a command comes from."""
+
+    SERVER = enum.auto()
+    CLIENT = enum.auto()
+    BOTH = SERVER | CLIENT
+
+    @property
+    def word(self) -> str:
+        """``"server"`` or ``"client"``, for messages."""
+        return "server" if self is Side.SERVER else "client"
+
+    @property
+    def peer(self) -> Side:
+        """The opposite side (only meaningful for SERVER and CLIENT)."""
+        return Side.CLIENT if self is Side.SERVER else Side.SERVER
+
+
+class Command(Protocol):
+    """What every command class provides."""
+
+    NAME: ClassVar[str]
+    SENDERS: ClassVar[Side]
+
+    @classmethod
+    def from_args(cls, args: str) -> Command: ...
+
+    def to_args(self) -> str: ...
+
+
+# -- field helpers ----------------------------------------------------------
+
+
+def _reject_newline(value: str, what: str) -> None:
+    if "\n" in value:
+        raise LocalProtocolError(f"{what} may not contain a newline: {value!r}")
+
+
+def _check_word(instance: object, attribute: attrs.Attribute, value: str) -> None:
+    """attrs validator: a non-empty field with no space or newline."""
+    if not isinstance(value, str) or not value or " " in value or "\n" in value:
+        raise LocalProtocolError(
+            f"{type(instance).__name__}.{attribute.name} must be a non-empty string "
+            f"without spaces or newlines, got {value!r}"
+        )
+
+
+def _check_text(instance: object, attribute: attrs.Attribute, value: str) -> None:
+    """attrs validator: any string without a newline (may be empty, may hold spaces)."""
+    if not isinstance(value, str):
+        raise LocalProtocolError(f"{type(instance).__name__}.{attribute.name} must be a str")
+    _reject_newline(value, f"{type(instance).__name__}.{attribute.name}")
+
+
+def _check_int(instance: object, attribute: attrs.Attribute, value: int) -> None:
+    if type(value) is not int or not _INT64_MIN <= value <= _INT64_MAX:
+        raise LocalProtocolError(
+            f"{type(instance).__name__}.{attribute.name} must be a 64-bit integer, got {value!r}"
+        )
+
+
+def _parse_int(text: str, what: str) -> int:
+    if not _INT_RE.match(text):
+        raise RemoteProtocolError(f"{what} is not an integer: {text!r}")
+    value = int(text)
+    if not _INT64_MIN <= value <= _INT64_MAX:
+        raise RemoteProtocolError(f"{what} is out of range: {text!r}")
+    return value
+
+
+def _parse_word(text: str, what: str) -> str:
+    if not text:
+        raise RemoteProtocolError(f"{what} is empty")
+    return text
+
+
+def _split(args: str, count: int, command: str, fmt: str) -> list[str]:
+    parts = args.split(" ", count - 1)
+    if len(parts) != count:
+        raise RemoteProtocolError(
+            f"{command} needs {count} arguments ({fmt}), got {len(parts)}: {args!r}"
+        )
+    return parts
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+_json_encoder = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"number {text[:32]!r} overflows to Infinity")
+    return value
+
+
+_json_decoder = json.JSONDecoder(parse_constant=_no_constants, parse_float=_finite_float)
+
+
+def encode_json(value: Any) -> str:
+    """Encode a row as compact JSON, refusing NaN and Infinity.
+
+    Raises:
+        LocalProtocolError: if the value is not JSON-serialisable.
+    """
+    try:
+        return _json_encoder.encode(value)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise LocalProtocolError(f"row is not encodable as JSON: {e}") from None
+
+
+def decode_json(text: str) -> Any:
+    """Decode JSON text, refusing NaN/Infinity and anything after the value.
+
+    Raises:
+        RemoteProtocolError: on any malformed JSON.
+    """
+    try:
+        return _json_decoder.decode(text)
+    except (ValueError, RecursionError) as e:
+        raise RemoteProtocolError(f"bad JSON: {e}") from None
+
+
+# -- commands with a single free-text argument -------------------------------
+
+
+@attrs.frozen
+class ServerCommand:
+    """``SERVER <server_name>`` -- the server's identity, its first line.
+
+    Example: ``SERVER example.com``
+    """
+
+    NAME: ClassVar[str] = "SERVER"
+    SENDERS: ClassVar[Side] = Side.SERVER
+    server_name: str = attrs.field(validator=_check_text)
+
+    @classmethod
+    def from_args(cls, args: str) -> ServerCommand:
+        return cls(args)
+
+    def to_args(self) -> str:
+        return self.server_name
+
+
+@attrs.frozen
+class NameCommand:
+    """``NAME <instance_name>`` -- the client names itself for logs and metrics.
+
+    Example: ``NAME event_persister1``
+    """
+
+    NAME: ClassVar[str] = "NAME"
+    SENDERS: ClassVar[Side] = Side.CLIENT
+    name: str = attrs.field(validator=_check_text)
+
+    @classmethod
+    def from_args(cls, args: str) -> NameCommand:
+        return cls(args)
+
+    def to_args(self) -> str:
+        return self.name
+
+
+@attrs.frozen
+class PingCommand:
+    """``PING <data>`` -- keep-alive; the data is conventionally ms since the epoch.
+
+    Example: ``PING 1490197665618``
+    """
+
+    NAME: ClassVar[str] = "PING"
+    SENDERS: ClassVar[Side] = Side.BOTH
+    data: str = attrs.field(validator=_check_text)
+
+    @classmethod
+    def from_args(cls, args: str) -> PingCommand:
+        return cls(args)
+
+    def to_args(self) -> str:
+        return self.data
+
+
+@attrs.frozen
+class ErrorCommand:
+    """``ERROR <message>`` -- the sender hit an error and usually closes.
+
+    Example: ``ERROR Wrong remote``
+    """
+
+    NAME: ClassVar[str] = "ERROR"
+    SENDERS: ClassVar[Side] = Side.BOTH
+    message: str = attrs.field(validator=_check_text)
+
+    @classmethod
+    def from_args(cls, args: str) -> ErrorCommand:
+        return cls(args)
+
+    def to_args(self) -> str:
+        return self.message
+
+
+@attrs.frozen
+class ClearUserSyncCommand:
+    """``CLEAR_USER_SYNC <instance_id>`` -- forget every syncing user of that process.
+
+    Example: ``CLEAR_USER_SYNC a1b2c``
+    """
+
+    NAME: ClassVar[str] = "CLEAR_USER_SYNC"
+    SENDERS: ClassVar[Side] = Side.CLIENT
+    instance_id: str = attrs.field(validator=_check_text)
+
+    @classmethod
+    def from_args(cls, args: str) -> ClearUserSyncCommand:
+        return cls(args)
+
+    def to_args(self) -> str:
+        return self.instance_id
+
+
+@attrs.frozen
+class RemoteServerUpCommand:
+    """``REMOTE_SERVER_UP <server_name>`` -- a remote server seems reachable again.
+
+    Example: ``REMOTE_SERVER_UP other.example.com``
+    """
+
+    NAME: ClassVar[str] = "REMOTE_SERVER_UP"
+    SENDERS: ClassVar[Side] = Side.BOTH
+    server_name: str = attrs.field(validator=_check_text)
+
+    @classmethod
+    def from_args(cls, args: str) -> RemoteServerUpCommand:
+        return cls(args)
+
+    def to_args(self) -> str:
+        return self.server_name
+
+
+@attrs.frozen
+class ReplicateCommand:
+    """``REPLICATE`` -- ask every writer to announce its POSITION for each stream.
+
+    Sent by a client after connecting; the TCP hub relays it so that every
+    writer answers. It has no arguments and goes out as ``"REPLICATE "``.
+
+    Example: ``REPLICATE``
+    """
+
+    NAME: ClassVar[str] = "REPLICATE"
+    SENDERS: ClassVar[Side] = Side.BOTH
+
+    @classmethod
+    def from_args(cls, args: str) -> ReplicateCommand:
+        if args.strip():
+            raise RemoteProtocolError(f"REPLICATE takes no arguments, got {args!r}")
+        return cls()
+
+    def to_args(self) -> str:
+        return ""
+
+
+# -- stream commands -----------------------------------------------------------
+
+
+@attrs.frozen
+class PositionCommand:
+    """``POSITION <stream> <instance> <prev_token> <new_token>``.
+
+    The writer ``instance`` wrote nothing to ``stream`` in ``(prev, new]``. A
+    reader whose position for that writer lies outside ``prev <= cur <= new``
+    has missed rows and fetches them before advancing to ``new``.
+
+    Example: ``POSITION events event_persister1 1200 1205``
+    """
+
+    NAME: ClassVar[str] = "POSITION"
+    SENDERS: ClassVar[Side] = Side.BOTH
+    stream_name: str = attrs.field(validator=_check_word)
+    instance_name: str = attrs.field(validator=_check_word)
+    prev_token: int = attrs.field(validator=_check_int)
+    new_token: int = attrs.field(validator=_check_int)
+
+    @classmethod
+    def from_args(cls, args: str) -> PositionCommand:
+        stream, instance, prev, new = _split(
+            args, 4, "POSITION", "<stream> <instance> <prev_token> <new_token>"
+        )
+        return cls(
+            _parse_word(stream, "POSITION stream name"),
+            _parse_word(instance, "POSITION instance name"),
+            _parse_int(prev, "POSITION prev_token"),
+            _parse_int(new, "POSITION new_token"),
+        )
+
+    def to_args(self) -> str:
+        return f"{self.stream_name} {self.instance_name} {self.prev_token} {self.new_token}"
+
+
+def _check_token(instance: object, attribute: attrs.Attribute, value: int | None) -> None:
+    if value is not None:
+        _check_int(instance, attribute, value)
+
+
+def _check_row(instance: object, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, list):
+        raise LocalProtocolError(f"RDATA row must be a list (a JSON array), got {value!r}")
+
+
+@attrs.frozen(hash=False)
+class RdataCommand:
+    """``RDATA <stream> <instance> <token|batch> <row_json>`` -- one stream row.
+
+    Rows that share one stream ID go out as consecutive RDATA, all but the
+    last with the token ``batch`` (``token is None`` here); a reader buffers
+    them and advances only on the numeric token. The row is a JSON array
+    whose shape the stream defines; it may contain spaces, never newlines.
+
+    Example: ``RDATA caches master 54 ["get_user_by_id",["@b:hs"],1700000000000]``
+    """
+
+    NAME: ClassVar[str] = "RDATA"
+    SENDERS: ClassVar[Side] = Side.BOTH
+    stream_name: str = attrs.field(validator=_check_word)
+    instance_name: str = attrs.field(validator=_check_word)
+    token: int | None = attrs.field(validator=_check_token)
+    row: list[Any] = attrs.field(validator=_check_row)
+
+    @classmethod
+    def from_args(cls, args: str) -> RdataCommand:
+        stream, instance, token, row_json = _split(
+            args, 4, "RDATA", "<stream> <instance> <token> <row_json>"
+        )
+        row = decode_json(row_json)
+        if not isinstance(row, list):
+            raise RemoteProtocolError(f"RDATA row must be a JSON array, got {row_json[:80]!r}")
+        return cls(
+            _parse_word(stream, "RDATA stream name"),
+            _parse_word(instance, "RDATA instance name"),
+            None if token == BATCH_TOKEN else _parse_int(token, "RDATA token"),
+            row,
+        )
+
+    def to_args(self) -> str:
+        token = BATCH_TOKEN if self.token is None else str(self.token)
+        return f"{self.stream_name} {self.instance_name} {token} {encode_json(self.row)}"
+
+
+class SyncState(enum.Enum):
+    """Whether a user started or stopped syncing (USER_SYNC)."""
+
+    START = "start"
+    END = "end"
+
+
+def _check_device(instance: object, attribute: attrs.Attribute, value: str | None) -> None:
+    if value is None:
+        return
+    _check_word(instance, attribute, value)
+    if value == "None":
+        raise LocalProtocolError('USER_SYNC device_id may not be the literal "None" (it means no device)')
+
+
+@attrs.frozen
+class UserSyncCommand:
+    """``USER_SYNC <instance_id> <user_id> <device_id|None> <start|end> <last_sync_ms>``.
+
+    A user started or stopped syncing on the sending process.
+
+    Example: ``USER_SYNC a1b2c @alice:example.com DEV1 start 1490197670513``
+    """
+
+    NAME: ClassVar[str] = "USER_SYNC"
+    SENDERS: ClassVar[Side] = Side.CLIENT
+    instance_id: str = attrs.field(validator=_check_word)
+    user_id: str = attrs.field(validator=_check_word)
+    device_id: str | None = attrs.field(validator=_check_device)
+    state: SyncState = attrs.field(validator=attrs.validators.instance_of(SyncState))
+    last_sync_ms: int = attrs.field(validator=_check_int)
+
+    @classmethod
+    def from_args(cls, args: str) -> UserSyncCommand:
+        instance_id, user_id, device_id, state, last_sync = _split(
+            args, 5, "USER_SYNC", "<instance_id> <user_id> <device_id> <start|end> <last_sync_ms>"
+        )
+        try:
+            sync_state = SyncState(state)
+        except ValueError:
+            raise RemoteProtocolError(
+                f"USER_SYNC state must be 'start' or 'end', got {state!r}"
+            ) from None
+        return cls(
+            _parse_word(instance_id, "USER_SYNC instance_id"),
+            _parse_word(user_id, "USER_SYNC user_id"),
+            None if device_id == "None" else _parse_word(device_id, "USER_SYNC device_id"),
+            sync_state,
+            _parse_int(last_sync, "USER_SYNC last_sync_ms"),
+        )
+
+    def to_args(self) -> str:
+        device = "None" if self.device_id is None else self.device_id
+        return (
+            f"{self.instance_id} {self.user_id} {device} {self.state.value} {self.last_sync_ms}"
+        )
+
+
+@attrs.frozen
+class FederationAckCommand:
+    """``FEDERATION_ACK <instance_name> <token>`` -- a federation sender has
+    handled the ``federation`` stream up to ``token``.
+
+    Example: ``FEDERATION_ACK federation_sender1 3071``
+    """
+
+    NAME: ClassVar[str] = "FEDERATION_ACK"
+    SENDERS: ClassVar[Side] = Side.CLIENT
+    instance_name: str = attrs.field(validator=_check_word)
+    token: int = attrs.field(validator=_check_int)
+
+    @classmethod
+    def from_args(cls, args: str) -> FederationAckCommand:
+        instance, token = _split(args, 2, "FEDERATION_ACK", "<instance_name> <token>")
+        return cls(
+            _parse_word(instance, "FEDERATION_ACK instance_name"),
+            _parse_int(token, "FEDERATION_ACK token"),
+        )
+
+    def to_args(self) -> str:
+        return f"{self.instance_name} {self.token}"
+
+
+AnyCommand: TypeAlias = (
+    ServerCommand
+    | NameCommand
+    | PingCommand
+    | ErrorCommand
+    | ReplicateCommand
+    | PositionCommand
+    | RdataCommand
+    | UserSyncCommand
+    | ClearUserSyncCommand
+    | FederationAckCommand
+    | RemoteServerUpCommand
+)
+
+#: Every command class, by wire name. The one registry of commands.
+COMMANDS: Final[dict[str, type[AnyCommand]]] = {
+    cls.NAME: cls
+    for cls in (
+        ServerCommand,
+        NameCommand,
+        PingCommand,
+        ErrorCommand,
+        ReplicateCommand,
+        PositionCommand,
+        RdataCommand,
+        UserSyncCommand,
+        ClearUserSyncCommand,
+        FederationAckCommand,
+        RemoteServerUpCommand,
+    )
+}
+
+
+def may_send(command: type[AnyCommand] | AnyCommand, side: Side) -> bool:
+    """Whether ``side`` of a point-to-point connection may send this command."""
+    return bool(command.SENDERS & side)
+
+
+def parse_line(line: str | bytes) -> AnyCommand:
+    """Parse one line (without its newline) into a command.
+
+    Args:
+        line: the line, as text or as UTF-8 bytes.
+
+    Returns:
+        The command value.
+
+    Raises:
+        RemoteProtocolError: the line is empty, too long, contains a newline,
+            is not UTF-8, names an unknown command, or has malformed arguments.
+            Nothing else is raised.
+    """
+    if isinstance(line, bytes | bytearray | memoryview):
+        raw = bytes(line)
+        if len(raw) > MAX_LINE_LENGTH:
+            raise RemoteProtocolError(
+                f"line is {len(raw)} bytes, longer than the limit of {MAX_LINE_LENGTH}"
+            )
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise RemoteProtocolError(f"line is not valid UTF-8: {e.reason} at byte {e.start}") from None
+    elif isinstance(line, str):
+        text = line
+        if len(text) > MAX_LINE_LENGTH // 4 and _utf8_len(text) > MAX_LINE_LENGTH:
+            raise RemoteProtocolError(
+                f"line is {_utf8_len(text)} bytes, longer than the limit of {MAX_LINE_LENGTH}"
+            )
+    else:
+        raise RemoteProtocolError(f"a line must be str or bytes, got {type(line).__name__}")
+    if "\n" in text:
+        raise RemoteProtocolError("line contains an embedded newline")
+    name, _, args = text.partition(" ")
+    if not name:
+        raise RemoteProtocolError("empty line" if not text else "line starts with a space")
+    cls = COMMANDS.get(name)
+    if cls is None:
+        raise RemoteProtocolError(f"unknown command {name[:64]!r}")
+    try:
+        return cls.from_args(args)
+    except RemoteProtocolError:
+        raise
+    except LocalProtocolError as e:
+        # A field validator refused a parsed value: from the peer, that is remote.
+        raise RemoteProtocolError(str(e)) from None
+
+
+def _utf8_len(text: str) -> int:
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        return len(text.encode("utf-8", "surrogatepass"))
+
+
+def encode_line(cmd: AnyCommand) -> str:
+    """Encode a command as its full line, without the trailing newline.
+
+    Raises:
+        LocalProtocolError: the line would contain a newline or exceed
+            :data:`MAX_LINE_LENGTH` bytes; nothing may be sent.
+    """
+    line = f"{cmd.NAME} {cmd.to_args()}"
+    if "\n" in line:
+        raise LocalProtocolError(f"{cmd.NAME} line would contain a newline")
+    if len(line) > MAX_LINE_LENGTH // 4 and _utf8_len(line) > MAX_LINE_LENGTH:
+        raise LocalProtocolError(
+            f"{cmd.NAME} line is {_utf8_len(line)} bytes, longer than the limit of "
+            f"{MAX_LINE_LENGTH}; not sent"
+        )
+    return line
+
+
+def encode_line_bytes(cmd: AnyCommand) -> bytes:
+    """:func:`encode_line` as UTF-8 bytes, ready for a transport.
+
+    Raises:
+        LocalProtocolError: as :func:`encode_line`, or if the text cannot be
+            encoded as UTF-8 (a lone surrogate in a free-text field).
+    """
+    line = encode_line(cmd)
+    try:
+        return line.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise LocalProtocolError(f"{cmd.NAME} line is not encodable as UTF-8: {e.reason}") from None

@@ -1,0 +1,433 @@
+"""The sans-IO replication connection: a state machine with no sockets or clocks.
+
+:class:`ConnectionCore` holds everything a replication connection decides --
+the handshake, direction checks, keep-alive and ping timeout, the congestion
+policy of the outbound queue -- and nothing it *does*. Callers feed it what
+happened (a line arrived, time passed, the transport paused) together with
+``now`` in seconds, and it answers with a list of :data:`Action` values:
+lines to write, commands to deliver, and when to close. The TCP adapter
+(``protocol.py``) and the Redis subscriber are thin shells around it, so the
+rules exist exactly once.
+
+Congestion: while the transport is paused, outbound commands queue. Once the
+queue passes the high-water mark, stream rows are no longer queued: every
+RDATA and POSITION for a ``(stream, writer)`` folds into one POSITION
+placeholder, ``POSITION s w t t`` for the highest token ``t`` dropped, which
+a reader's gap check turns into a catch-up from the database. The queue thus
+stays bounded by the other commands; if those pass the hard limit, the core
+sends ``ERROR Failed to keep up`` and closes.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections import deque
+from collections.abc import Iterable
+from typing import Final, TypeAlias
+
+import attrs
+
+from synflow.errors import ProtocolError, RemoteProtocolError
+from synflow.replication.commands import (
+    MAX_LINE_LENGTH,
+    AnyCommand,
+    ErrorCommand,
+    NameCommand,
+    PingCommand,
+    PositionCommand,
+    RdataCommand,
+    ReplicateCommand,
+    ServerCommand,
+    Side,
+    encode_line_bytes,
+    may_send,
+    parse_line,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Send a PING when nothing was sent for this long (seconds).
+PING_INTERVAL_S: Final = 5.0
+#: Once the peer has pinged, close after this long without a line (seconds).
+PING_TIMEOUT_S: Final = 15.0
+#: Queued commands past which stream rows fold into POSITION placeholders.
+HIGH_WATER_COMMANDS: Final = 10_000
+#: Queued commands past which the connection is closed.
+HARD_LIMIT_COMMANDS: Final = 20_000
+#: Queued bytes past which stream rows fold into POSITION placeholders.
+HIGH_WATER_BYTES: Final = 8 * 1024 * 1024
+#: Queued bytes past which the connection is closed.
+HARD_LIMIT_BYTES: Final = 32 * 1024 * 1024
+
+KEEP_UP_ERROR: Final = "Failed to keep up"
+WRONG_REMOTE_ERROR: Final = "Wrong remote"
+
+
+class State(enum.Enum):
+    """Where a connection is in its life."""
+
+    CONNECTING = "connecting"
+    ESTABLISHED = "established"
+    PAUSED = "paused"
+    CLOSED = "closed"
+
+
+@attrs.frozen
+class SendLine:
+    """Write this line (UTF-8, without the newline) to the transport."""
+
+    data: bytes
+
+
+@attrs.frozen
+class Deliver:
+    """Hand this received command to the command handler."""
+
+    command: AnyCommand
+
+
+@attrs.frozen
+class Close:
+    """Close the connection for ``reason`` (any ERROR was already sent)."""
+
+    reason: str
+
+
+@attrs.frozen
+class HandshakeDone:
+    """The handshake completed: the client saw the right SERVER, or the server a NAME."""
+
+    peer_name: str
+
+
+Action: TypeAlias = SendLine | Deliver | Close | HandshakeDone
+
+
+@attrs.define
+class _Placeholder:
+    """A queued POSITION standing for rows dropped while congested."""
+
+    stream_name: str
+    instance_name: str
+    prev_token: int | None = None
+    new_token: int | None = None
+
+    def fold(self, cmd: RdataCommand | PositionCommand) -> None:
+        if isinstance(cmd, RdataCommand):
+            if cmd.token is None:
+                return  # a batch row; the batch's numeric row follows at once
+            prev = new = cmd.token
+        else:
+            prev, new = cmd.prev_token, cmd.new_token
+        self.prev_token = prev if self.prev_token is None else max(self.prev_token, prev)
+        self.new_token = new if self.new_token is None else max(self.new_token, new)
+
+    def to_command(self) -> PositionCommand | None:
+        if self.new_token is None or self.prev_token is None:
+            return None
+        return PositionCommand(self.stream_name, self.instance_name, self.prev_token, self.new_token)
+
+
+_Queued: TypeAlias = bytes | _Placeholder
+
+
+@attrs.define
+class CoreStats:
+    """Counters a metrics exporter reads."""
+
+    commands_in: dict[str, int] = attrs.Factory(dict)
+    commands_out: dict[str, int] = attrs.Factory(dict)
+    rows_folded: int = 0
+    dropped_closed: int = 0
+
+
+class ConnectionCore:
+    """One replication connection's decisions, free of I/O.
+
+    Args:
+        side: which end this is (``Side.SERVER`` for the hub, ``Side.CLIENT``
+            for a worker).
+        server_name: the server's name; sent in SERVER by a server and
+            expected in SERVER by a client.
+        instance_name: this process's instance name, sent in NAME by a client.
+        ping_interval_s: send a PING after this long without sending.
+        ping_timeout_s: once the peer has pinged, close after this long
+            without receiving; ``None`` disables the timeout.
+        high_water: queued commands past which rows fold into placeholders.
+        hard_limit: queued commands past which the connection closes.
+        high_water_bytes / hard_limit_bytes: the same bounds in bytes.
+    """
+
+    def __init__(
+        self,
+        side: Side,
+        *,
+        server_name: str,
+        instance_name: str | None = None,
+        ping_interval_s: float = PING_INTERVAL_S,
+        ping_timeout_s: float | None = PING_TIMEOUT_S,
+        high_water: int = HIGH_WATER_COMMANDS,
+        hard_limit: int = HARD_LIMIT_COMMANDS,
+        high_water_bytes: int = HIGH_WATER_BYTES,
+        hard_limit_bytes: int = HARD_LIMIT_BYTES,
+    ) -> None:
+        if side not in (Side.SERVER, Side.CLIENT):
+            raise ValueError("a connection core is either the SERVER or the CLIENT side")
+        if side is Side.CLIENT and not instance_name:
+            raise ValueError("a client core needs its instance_name for NAME")
+        if not 0 < high_water <= hard_limit:
+            raise ValueError("need 0 < high_water <= hard_limit")
+        self.side = side
+        self.server_name = server_name
+        self.instance_name = instance_name
+        self.ping_interval_s = ping_interval_s
+        self.ping_timeout_s = ping_timeout_s
+        self.high_water = high_water
+        self.hard_limit = hard_limit
+        self.high_water_bytes = high_water_bytes
+        self.hard_limit_bytes = hard_limit_bytes
+
+        self.state = State.CONNECTING
+        self.peer_name: str | None = None
+        self.handshake_complete = False
+        self.received_ping = False
+        self.last_sent = 0.0
+        self.last_received = 0.0
+        self.close_reason: str | None = None
+        self.stats = CoreStats()
+        self._queue: deque[_Queued] = deque()
+        self._queued_bytes = 0
+        self._placeholders: dict[tuple[str, str], _Placeholder] = {}
+
+    # -- introspection ---------------------------------------------------------
+
+    @property
+    def pending_commands(self) -> int:
+        """How many commands wait in the outbound queue."""
+        return len(self._queue)
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of encoded lines waiting in the outbound queue (placeholders excluded)."""
+        return self._queued_bytes
+
+    @property
+    def congested(self) -> bool:
+        """True while rows are folding into POSITION placeholders."""
+        return bool(self._placeholders)
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def connection_made(self, now: float) -> list[Action]:
+        """The transport connected: the opening lines of the handshake."""
+        self.state = State.ESTABLISHED
+        self.last_received = now
+        actions: list[Action] = []
+        if self.side is Side.SERVER:
+            actions += self._send_now(ServerCommand(self.server_name), now)
+            actions += self._send_now(PingCommand(_ping_data(now)), now)
+        else:
+            assert self.instance_name is not None
+            actions += self._send_now(NameCommand(self.instance_name), now)
+            actions += self._send_now(PingCommand(_ping_data(now)), now)
+            actions += self._send_now(ReplicateCommand(), now)
+        return actions
+
+    def connection_lost(self) -> None:
+        """The transport is gone: drop everything queued."""
+        self.state = State.CLOSED
+        self._queue.clear()
+        self._queued_bytes = 0
+        self._placeholders.clear()
+
+    def close(self, reason: str, now: float, *, send_error: bool = True) -> list[Action]:
+        """Close deliberately, telling the peer why with one ERROR first."""
+        if self.state is State.CLOSED:
+            return []
+        actions: list[Action] = []
+        if send_error:
+            actions += self._send_now(ErrorCommand(reason), now)
+        self.close_reason = reason
+        self.connection_lost()
+        actions.append(Close(reason))
+        return actions
+
+    # -- inbound -------------------------------------------------------------------
+
+    def line_received(self, line: bytes | str, now: float) -> list[Action]:
+        """One line (without its newline) arrived."""
+        if self.state is State.CLOSED:
+            return []
+        if not line.strip():
+            return []
+        self.last_received = now
+        try:
+            cmd = parse_line(line)
+        except ProtocolError as e:
+            logger.warning("closing %s: failed to parse line: %s", self._describe(), e)
+            return self.close(f"failed to parse line: {e}", now)
+        peer = self.side.peer
+        if not may_send(cmd, peer):
+            logger.warning("closing %s: %s may not be sent by a %s", self._describe(), cmd.NAME, peer.word)
+            return self.close(f"invalid command from {peer.word}: {cmd.NAME}", now)
+        self.stats.commands_in[cmd.NAME] = self.stats.commands_in.get(cmd.NAME, 0) + 1
+        actions: list[Action] = []
+        if isinstance(cmd, PingCommand):
+            self.received_ping = True
+        elif isinstance(cmd, ServerCommand):
+            if cmd.server_name != self.server_name:
+                logger.warning(
+                    "closing %s: expected server %r, got %r", self._describe(), self.server_name, cmd.server_name
+                )
+                return self.close(WRONG_REMOTE_ERROR, now)
+            self.peer_name = cmd.server_name
+            if not self.handshake_complete:
+                self.handshake_complete = True
+                actions.append(HandshakeDone(cmd.server_name))
+        elif isinstance(cmd, NameCommand):
+            self.peer_name = cmd.name
+            if not self.handshake_complete:
+                self.handshake_complete = True
+                actions.append(HandshakeDone(cmd.name))
+        elif isinstance(cmd, ErrorCommand):
+            logger.warning("%s sent ERROR: %s", self._describe(), cmd.message)
+        actions.append(Deliver(cmd))
+        return actions
+
+    def line_length_exceeded(self, now: float) -> list[Action]:
+        """The peer sent a line longer than :data:`MAX_LINE_LENGTH`."""
+        if self.state is State.CLOSED:
+            return []
+        logger.warning("closing %s: line longer than %d bytes", self._describe(), MAX_LINE_LENGTH)
+        return self.close("Line length exceeded", now)
+
+    # -- outbound -----------------------------------------------------------------
+
+    def send(self, cmd: AnyCommand, now: float) -> list[Action]:
+        """Send a command, or queue it while the transport is paused.
+
+        Raises:
+            LocalProtocolError: the command cannot be encoded (too long, a
+                newline); nothing was sent or queued.
+        """
+        if self.state is State.CLOSED:
+            self.stats.dropped_closed += 1
+            return []
+        if self.state is State.ESTABLISHED:
+            return self._send_now(cmd, now)
+        return self._enqueue(cmd, now)
+
+    def _send_now(self, cmd: AnyCommand, now: float) -> list[Action]:
+        data = encode_line_bytes(cmd)
+        self.last_sent = now
+        self.stats.commands_out[cmd.NAME] = self.stats.commands_out.get(cmd.NAME, 0) + 1
+        return [SendLine(data)]
+
+    def _enqueue(self, cmd: AnyCommand, now: float) -> list[Action]:
+        if isinstance(cmd, RdataCommand | PositionCommand):
+            key = (cmd.stream_name, cmd.instance_name)
+            placeholder = self._placeholders.get(key)
+            if placeholder is None and self._over_high_water():
+                placeholder = self._placeholders[key] = _Placeholder(*key)
+                self._queue.append(placeholder)
+            if placeholder is not None:
+                placeholder.fold(cmd)
+                self.stats.rows_folded += isinstance(cmd, RdataCommand)
+                return []
+        data = encode_line_bytes(cmd)
+        if len(self._queue) >= self.hard_limit or self._queued_bytes + len(data) > self.hard_limit_bytes:
+            logger.warning(
+                "closing %s: %d commands (%d bytes) pending, peer is not reading",
+                self._describe(), len(self._queue), self._queued_bytes,
+            )
+            self._queue.clear()
+            self._queued_bytes = 0
+            self._placeholders.clear()
+            return self.close(KEEP_UP_ERROR, now)
+        self._queue.append(data)
+        self._queued_bytes += len(data)
+        self.stats.commands_out[cmd.NAME] = self.stats.commands_out.get(cmd.NAME, 0) + 1
+        return []
+
+    def _over_high_water(self) -> bool:
+        return len(self._queue) >= self.high_water or self._queued_bytes >= self.high_water_bytes
+
+    def pause(self) -> None:
+        """The transport's buffers are full: queue from now on."""
+        if self.state is State.ESTABLISHED:
+            self.state = State.PAUSED
+
+    def resume(self, now: float, limit: int | None = None) -> list[Action]:
+        """The transport drained: flush up to ``limit`` queued commands.
+
+        Placeholders become POSITIONs as they are flushed. A caller that passes
+        a limit keeps calling :meth:`flush` while the state stays ESTABLISHED.
+        """
+        if self.state is not State.PAUSED:
+            return []
+        self.state = State.ESTABLISHED
+        return self.flush(now, limit)
+
+    def flush(self, now: float, limit: int | None = None) -> list[Action]:
+        """Turn up to ``limit`` queued commands into lines to write."""
+        actions: list[Action] = []
+        while self._queue and (limit is None or len(actions) < limit):
+            item = self._queue.popleft()
+            if isinstance(item, _Placeholder):
+                del self._placeholders[(item.stream_name, item.instance_name)]
+                cmd = item.to_command()
+                if cmd is not None:
+                    actions += self._send_now(cmd, now)
+            else:
+                self._queued_bytes -= len(item)
+                self.last_sent = now
+                actions.append(SendLine(item))
+        return actions
+
+    # -- time -----------------------------------------------------------------------
+
+    def tick(self, now: float) -> list[Action]:
+        """Time passed: keep-alive PING and ping-timeout decisions."""
+        if self.state is State.CLOSED:
+            return []
+        if (
+            self.received_ping
+            and self.ping_timeout_s is not None
+            and now - self.last_received >= self.ping_timeout_s
+        ):
+            logger.warning("closing %s: nothing received for %.1fs", self._describe(), now - self.last_received)
+            return self.close("ping timeout", now)
+        if now - self.last_sent >= self.ping_interval_s:
+            return self.send(PingCommand(_ping_data(now)), now)
+        return []
+
+    def _describe(self) -> str:
+        peer = self.peer_name or "?"
+        return f"replication connection to {peer} ({self.side.peer.word})"
+
+
+def _ping_data(now: float) -> str:
+    return str(int(now * 1000))
+
+
+def lines_of(actions: Iterable[Action]) -> list[bytes]:
+    """The lines a list of actions writes (a helper for tests and transcripts)."""
+    return [a.data for a in actions if isinstance(a, SendLine)]
+
+
+__all__ = [
+    "HARD_LIMIT_COMMANDS",
+    "HIGH_WATER_COMMANDS",
+    "KEEP_UP_ERROR",
+    "PING_INTERVAL_S",
+    "PING_TIMEOUT_S",
+    "Action",
+    "Close",
+    "ConnectionCore",
+    "Deliver",
+    "HandshakeDone",
+    "RemoteProtocolError",
+    "SendLine",
+    "State",
+]

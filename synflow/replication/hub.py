@@ -1,0 +1,130 @@
+"""The TCP replication hub that the master runs.
+
+Every worker connects to the master's replication port. The hub relays each
+stream command it receives from one connection to every other connection,
+and hands every command to the master's own handler, so writers on
+different workers see each other exactly as they would over Redis.
+``REPLICATE`` is relayed too, so every writer answers it with its POSITIONs.
+Connection-level commands (SERVER, NAME, PING, ERROR) are never relayed, and
+commands addressed to the master alone (USER_SYNC, CLEAR_USER_SYNC,
+FEDERATION_ACK) are handled by the master and not relayed.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Final, Protocol
+
+from twisted.internet.interfaces import IAddress, IReactorTime
+from twisted.internet.protocol import ServerFactory
+from twisted.python.failure import Failure
+
+from synflow.replication.commands import (
+    AnyCommand,
+    PositionCommand,
+    RdataCommand,
+    RemoteServerUpCommand,
+    ReplicateCommand,
+    Side,
+)
+from synflow.replication.core import ConnectionCore
+from synflow.replication.protocol import ReplicationConnection, ReplicationProtocol
+
+logger = logging.getLogger(__name__)
+
+#: The commands the hub forwards from one connection to all the others.
+RELAYED_COMMANDS: Final = (RdataCommand, PositionCommand, ReplicateCommand, RemoteServerUpCommand)
+
+
+class CommandHandler(Protocol):
+    """The replication handler's side of a transport."""
+
+    def new_connection(self, conn: ReplicationConnection) -> None: ...
+
+    def lost_connection(self, conn: ReplicationConnection) -> None: ...
+
+    def on_command(self, conn: ReplicationConnection, cmd: AnyCommand) -> None: ...
+
+
+class ReplicationHub:
+    """Relays commands between worker connections and feeds the master's handler.
+
+    Args:
+        handler: the master's command handler, or None for a relay-only hub.
+    """
+
+    def __init__(self, handler: CommandHandler | None = None) -> None:
+        self.handler = handler
+        self.connections: list[ReplicationProtocol] = []
+        self.relayed = 0
+
+    # -- CommandReceiver -----------------------------------------------------------
+
+    def connection_made(self, conn: ReplicationProtocol) -> None:
+        self.connections.append(conn)
+        if self.handler is not None:
+            self.handler.new_connection(conn)
+
+    def connection_lost(self, conn: ReplicationProtocol, reason: Failure) -> None:
+        if conn in self.connections:
+            self.connections.remove(conn)
+        logger.info("replication connection from %s closed: %s", conn.peer_name, reason.getErrorMessage())
+        if self.handler is not None:
+            self.handler.lost_connection(conn)
+
+    def on_command(self, conn: ReplicationProtocol, cmd: AnyCommand) -> None:
+        if isinstance(cmd, RELAYED_COMMANDS):
+            for other in self.connections:
+                if other is not conn:
+                    self._send(other, cmd)
+                    self.relayed += 1
+        if self.handler is not None:
+            self.handler.on_command(conn, cmd)
+
+    # -- the master's own sends ------------------------------------------------------
+
+    def send_command(self, cmd: AnyCommand) -> None:
+        """Send a command of the master's to every connected worker."""
+        for conn in list(self.connections):
+            self._send(conn, cmd)
+
+    @property
+    def connected(self) -> bool:
+        """The hub is always "connected": the master is the centre of the star."""
+        return True
+
+    def _send(self, conn: ReplicationProtocol, cmd: AnyCommand) -> None:
+        try:
+            conn.send_command(cmd)
+        except Exception:
+            logger.exception("failed to send %s to %s", cmd.NAME, conn.peer_name)
+
+
+class ReplicationServerFactory(ServerFactory):
+    """Builds the server side of replication connections for the hub.
+
+    Args:
+        hub: where connections and commands go.
+        server_name: sent in SERVER to every client.
+        clock: the reactor's time.
+        core_options: keyword arguments for each :class:`ConnectionCore`
+            (ping interval and timeout, congestion limits).
+    """
+
+    def __init__(
+        self,
+        hub: ReplicationHub,
+        server_name: str,
+        clock: IReactorTime,
+        **core_options: object,
+    ) -> None:
+        self.hub = hub
+        self.server_name = server_name
+        self.clock = clock
+        self.core_options = core_options
+
+    def buildProtocol(self, addr: IAddress | None) -> ReplicationProtocol:
+        core = ConnectionCore(Side.SERVER, server_name=self.server_name, **self.core_options)  # type: ignore[arg-type]
+        proto = ReplicationProtocol(core, self.hub, self.clock)
+        proto.factory = self
+        return proto

@@ -1,0 +1,221 @@
+"""The TCP adapter: a ``LineOnlyReceiver`` shell around :class:`ConnectionCore`.
+
+:class:`ReplicationProtocol` frames lines (``\\n``, at most 16 KiB), feeds
+them to the core with the injected clock's ``now``, and carries out the
+actions the core returns. It registers itself as a streaming push producer on
+its transport, so a full socket buffer pauses it and the core starts queueing.
+Everything protocol-shaped -- parsing, direction checks, keep-alive, the
+congestion policy -- lives in the core; this file only moves bytes.
+
+A :class:`CommandReceiver` gets told about connections and the commands they
+deliver: the TCP hub (``hub.py``) on the master, the client service
+(``client.py``) on a worker.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+from twisted.internet.defer import Deferred
+from twisted.internet.error import ConnectionLost
+from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
+from twisted.protocols.basic import LineOnlyReceiver
+from twisted.python.failure import Failure
+from zope.interface import implementer
+
+from synflow.replication.commands import MAX_LINE_LENGTH, AnyCommand, Side
+from synflow.replication.core import (
+    Action,
+    Close,
+    ConnectionCore,
+    Deliver,
+    HandshakeDone,
+    SendLine,
+    State,
+)
+
+logger = logging.getLogger(__name__)
+
+#: How often the adapter gives the core a chance to ping or time out (seconds).
+TICK_INTERVAL_S = 1.0
+#: After deciding to close, abort the transport if it has not closed by then.
+CLOSE_TIMEOUT_S = 15.0
+#: Lines flushed per step while draining the queue, so a pause stops the drain.
+_FLUSH_STEP = 64
+
+
+class ReplicationConnection(Protocol):
+    """What the command handler sees of a connection (TCP, Redis, or a test fake)."""
+
+    @property
+    def peer_name(self) -> str | None: ...
+
+    def send_command(self, cmd: AnyCommand) -> None: ...
+
+
+class CommandReceiver(Protocol):
+    """Told about connections coming and going and the commands they deliver."""
+
+    def connection_made(self, conn: ReplicationProtocol) -> None: ...
+
+    def connection_lost(self, conn: ReplicationProtocol, reason: Failure) -> None: ...
+
+    def on_command(self, conn: ReplicationProtocol, cmd: AnyCommand) -> None: ...
+
+
+@implementer(IPushProducer)
+class ReplicationProtocol(LineOnlyReceiver):
+    """One replication connection over a stream transport.
+
+    Args:
+        core: the connection's state machine (its side decides the handshake).
+        receiver: gets the connection's lifecycle and delivered commands.
+        clock: where ``now`` and timers come from.
+        tick_interval_s: how often keep-alive decisions are taken.
+    """
+
+    delimiter = b"\n"
+    MAX_LENGTH = MAX_LINE_LENGTH
+    transport: Any  # a TCP transport (ITransport + IConsumer + abortConnection)
+
+    def __init__(
+        self,
+        core: ConnectionCore,
+        receiver: CommandReceiver,
+        clock: IReactorTime,
+        *,
+        tick_interval_s: float = TICK_INTERVAL_S,
+        close_timeout_s: float = CLOSE_TIMEOUT_S,
+    ) -> None:
+        self.core = core
+        self.receiver = receiver
+        self.clock = clock
+        self.tick_interval_s = tick_interval_s
+        self.close_timeout_s = close_timeout_s
+        self._tick_call: IDelayedCall | None = None
+        self._abort_call: IDelayedCall | None = None
+        self._handshake_waiters: list[Deferred[ReplicationProtocol]] = []
+        self._connected = False
+
+    # -- what the handler uses ---------------------------------------------------
+
+    @property
+    def peer_name(self) -> str | None:
+        """The peer's NAME (server side) or SERVER name (client side), once known."""
+        return self.core.peer_name
+
+    @property
+    def side(self) -> Side:
+        return self.core.side
+
+    def send_command(self, cmd: AnyCommand) -> None:
+        """Send (or queue, while paused) one command.
+
+        Raises:
+            LocalProtocolError: the command cannot be sent (too long, a newline).
+        """
+        self._run(self.core.send(cmd, self.clock.seconds()))
+
+    def close(self, reason: str) -> None:
+        """Send ``ERROR <reason>`` and close."""
+        self._run(self.core.close(reason, self.clock.seconds()))
+
+    def when_handshake_done(self) -> Deferred[ReplicationProtocol]:
+        """A Deferred that fires when the peer completes the handshake.
+
+        It fails with ``ConnectionLost`` if the connection closes first.
+        """
+        d: Deferred[ReplicationProtocol] = Deferred()
+        if self.core.handshake_complete:
+            d.callback(self)
+        elif self.core.state is State.CLOSED and self._connected:
+            d.errback(Failure(ConnectionLost("replication connection closed before the handshake")))
+        else:
+            self._handshake_waiters.append(d)
+        return d
+
+    # -- Twisted protocol -----------------------------------------------------------
+
+    def connectionMade(self) -> None:
+        self._connected = True
+        self.transport.registerProducer(self, True)
+        self._schedule_tick()
+        actions = self.core.connection_made(self.clock.seconds())
+        self._run(actions)
+        self.receiver.connection_made(self)
+
+    def lineReceived(self, line: bytes) -> None:
+        self._run(self.core.line_received(line, self.clock.seconds()))
+
+    def lineLengthExceeded(self, line: bytes) -> None:
+        self._run(self.core.line_length_exceeded(self.clock.seconds()))
+
+    def connectionLost(self, reason: Failure = Failure(ConnectionLost())) -> None:  # noqa: B008
+        self.core.connection_lost()
+        for call in (self._tick_call, self._abort_call):
+            if call is not None and call.active():
+                call.cancel()
+        self._tick_call = self._abort_call = None
+        try:
+            self.transport.unregisterProducer()
+        except Exception:  # the transport may already be torn down
+            pass
+        waiters, self._handshake_waiters = self._handshake_waiters, []
+        for d in waiters:
+            d.errback(Failure(ConnectionLost("replication connection closed before the handshake")))
+        self.receiver.connection_lost(self, reason)
+
+    # -- IPushProducer ----------------------------------------------------------------
+
+    def pauseProducing(self) -> None:
+        self.core.pause()
+
+    def resumeProducing(self) -> None:
+        now = self.clock.seconds()
+        # Drain in steps: a write that fills the socket buffer pauses us again.
+        self._run(self.core.resume(now, limit=_FLUSH_STEP))
+        while self.core.state is State.ESTABLISHED and self.core.pending_commands:
+            self._run(self.core.flush(now, limit=_FLUSH_STEP))
+
+    def stopProducing(self) -> None:
+        self._run(self.core.close("transport stopped", self.clock.seconds(), send_error=False))
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _run(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, SendLine):
+                self.transport.write(action.data + b"\n")
+            elif isinstance(action, Deliver):
+                self._deliver(action.command)
+            elif isinstance(action, HandshakeDone):
+                waiters, self._handshake_waiters = self._handshake_waiters, []
+                for d in waiters:
+                    d.callback(self)
+            elif isinstance(action, Close):
+                self.transport.loseConnection()
+                if self._abort_call is None:
+                    self._abort_call = self.clock.callLater(self.close_timeout_s, self._abort)
+
+    def _deliver(self, cmd: AnyCommand) -> None:
+        try:
+            self.receiver.on_command(self, cmd)
+        except Exception:
+            # A handler bug must not take the connection (or the process) down.
+            logger.exception("error handling %s from %s", cmd.NAME, self.peer_name)
+
+    def _schedule_tick(self) -> None:
+        self._tick_call = self.clock.callLater(self.tick_interval_s, self._tick)
+
+    def _tick(self) -> None:
+        self._tick_call = None
+        self._run(self.core.tick(self.clock.seconds()))
+        if self.core.state is not State.CLOSED:
+            self._schedule_tick()
+
+    def _abort(self) -> None:
+        self._abort_call = None
+        abort: Any = getattr(self.transport, "abortConnection", None)
+        if abort is not None:
+            abort()

@@ -1,0 +1,47 @@
+"""synflow's trial test suite.
+
+Layers (see docs/testing.md): pure, protocol conformance, in-process cluster,
+and integration against real processes and services.
+"""
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("dev", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+# Keep synflow's stdlib log records out of the test output but on disk, in the
+# trial working directory, for debugging a failure.
+import logging  # noqa: E402
+
+class _CwdFileHandler(logging.FileHandler):
+    """Opens its file on first use, relative to the working directory then
+    (trial's temp directory while tests run), not at import time."""
+
+    def __init__(self, name: str) -> None:
+        logging.Handler.__init__(self)
+        self._name = name
+        self.stream = None  # type: ignore[assignment]
+        self.baseFilename = name
+        self.mode = "a"
+        self.encoding = "utf-8"
+        self.errors = None
+        self.delay = True
+
+    def _open(self):  # noqa: ANN202
+        return open(os.path.abspath(self._name), "a", encoding="utf-8")
+
+
+_handler = _CwdFileHandler("synflow-test.log")
+_handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+_root = logging.getLogger()
+_root.addHandler(_handler)
+_root.setLevel(logging.DEBUG if os.environ.get("SYNFLOW_TEST_DEBUG") else logging.INFO)

@@ -1,0 +1,453 @@
+"""Protocol conformance: the real adapter on StringTransport with a Clock."""
+
+from __future__ import annotations
+
+import random
+
+from twisted.internet.defer import fail, succeed
+from twisted.internet.error import ConnectionDone, ConnectionRefusedError
+from twisted.internet.task import Clock
+from twisted.internet.testing import MemoryReactorClock
+from twisted.python.failure import Failure
+from twisted.trial.unittest import SynchronousTestCase
+
+from synflow.backoff import Backoff
+from synflow.errors import LocalProtocolError
+from synflow.replication.client import ReplicationClientService
+from synflow.replication.commands import (
+    MAX_LINE_LENGTH,
+    NameCommand,
+    PingCommand,
+    PositionCommand,
+    RdataCommand,
+    ServerCommand,
+    Side,
+)
+from synflow.testing import PumpTransport, RecordingReceiver, attach, make_protocol, sent_lines
+
+T0 = 1490197665.618
+
+
+def _server(clock, **kw):
+    receiver = RecordingReceiver()
+    proto = make_protocol(Side.SERVER, receiver, clock, server_name="example.com", **kw)
+    return proto, attach(proto), receiver
+
+
+def _client(clock, **kw):
+    receiver = RecordingReceiver()
+    proto = make_protocol(Side.CLIENT, receiver, clock, server_name="example.com", instance_name="persister1", **kw)
+    return proto, attach(proto), receiver
+
+
+def _clock(t=T0):
+    clock = Clock()
+    clock.advance(t)
+    return clock
+
+
+class HandshakeTest(SynchronousTestCase):
+    def test_server_handshake_bytes(self):
+        """On connect the server writes exactly SERVER then PING with ms since the epoch."""
+        proto, transport, receiver = _server(_clock())
+        self.assertEqual(transport.value(), b"SERVER example.com\nPING 1490197665618\n")
+        self.assertEqual(receiver.made, [proto])
+
+    def test_client_handshake_bytes(self):
+        """On connect the client writes exactly NAME, PING and REPLICATE."""
+        proto, transport, receiver = _client(_clock())
+        self.assertEqual(
+            transport.value(), b"NAME persister1\nPING 1490197665618\nREPLICATE \n"
+        )
+
+    def test_client_accepts_right_server(self):
+        """A client that gets the expected SERVER completes its handshake."""
+        proto, transport, receiver = _client(_clock())
+        done = proto.when_handshake_done()
+        proto.dataReceived(b"SERVER example.com\nPING 1\n")
+        self.assertIs(self.successResultOf(done), proto)
+        self.assertFalse(transport.disconnecting)
+        self.assertEqual(receiver.received(), [ServerCommand("example.com"), PingCommand("1")])
+
+    def test_client_rejects_wrong_server(self):
+        """A client that gets another server's name sends ERROR Wrong remote and closes."""
+        proto, transport, receiver = _client(_clock())
+        done = proto.when_handshake_done()
+        transport.clear()
+        proto.dataReceived(b"SERVER other.example.com\n")
+        self.assertEqual(sent_lines(transport), ["ERROR Wrong remote"])
+        self.assertTrue(transport.disconnecting)
+        proto.connectionLost()
+        self.failureResultOf(done)
+
+    def test_server_learns_name(self):
+        """The server records the client's NAME as the peer name."""
+        proto, transport, receiver = _server(_clock())
+        proto.dataReceived(b"NAME persister1\n")
+        self.assertEqual(proto.peer_name, "persister1")
+        self.assertEqual(receiver.received(), [NameCommand("persister1")])
+
+    def test_blank_lines_ignored(self):
+        """Blank and whitespace-only lines are ignored without error."""
+        proto, transport, receiver = _server(_clock())
+        transport.clear()
+        proto.dataReceived(b"\n  \n\t\nPING 5\n")
+        self.assertEqual(receiver.received(), [PingCommand("5")])
+        self.assertEqual(transport.value(), b"")
+
+
+class KeepAliveTest(SynchronousTestCase):
+    def test_ping_after_five_idle_seconds(self):
+        """After 5 s of sending nothing the side sends a PING, and not before."""
+        clock = _clock(1000)
+        proto, transport, _ = _server(clock)
+        transport.clear()
+        clock.advance(4)
+        self.assertEqual(transport.value(), b"")
+        clock.advance(1)
+        self.assertEqual(sent_lines(transport), ["PING 1005000"])
+
+    def test_any_command_defers_the_ping(self):
+        """Any command sent counts as traffic, so no PING follows it within 5 s."""
+        clock = _clock(1000)
+        proto, transport, _ = _server(clock)
+        clock.advance(3)
+        proto.send_command(PositionCommand("events", "master", 1, 1))
+        transport.clear()
+        clock.advance(4)
+        self.assertEqual(transport.value(), b"")
+        clock.advance(1)
+        self.assertEqual(sent_lines(transport), ["PING 1008000"])
+
+    def test_no_timeout_before_peer_pings(self):
+        """A peer that never pinged (a person on netcat) is never timed out."""
+        clock = _clock(1000)
+        proto, transport, _ = _server(clock)
+        proto.dataReceived(b"NAME nc-user\n")
+        for _ in range(120):
+            clock.advance(1)
+        self.assertFalse(transport.disconnecting)
+
+    def test_timeout_after_peer_ping(self):
+        """Once the peer has pinged, 15 s of silence sends ERROR ping timeout and closes."""
+        clock = _clock(1000)
+        proto, transport, _ = _server(clock)
+        proto.dataReceived(b"PING 1\n")
+        for _ in range(14):
+            clock.advance(1)
+        self.assertFalse(transport.disconnecting)
+        transport.clear()
+        clock.advance(1)
+        self.assertEqual(sent_lines(transport), ["ERROR ping timeout"])
+        self.assertTrue(transport.disconnecting)
+
+    def test_timeout_is_configurable(self):
+        """The ping timeout is a parameter of the connection."""
+        clock = _clock(1000)
+        proto, transport, _ = _server(clock, ping_timeout_s=30)
+        proto.dataReceived(b"PING 1\n")
+        for _ in range(29):
+            clock.advance(1)
+        self.assertFalse(transport.disconnecting)
+        clock.advance(1)
+        self.assertTrue(transport.disconnecting)
+
+    def test_traffic_resets_timeout(self):
+        """Each received line restarts the silence timer."""
+        clock = _clock(1000)
+        proto, transport, _ = _server(clock)
+        proto.dataReceived(b"PING 1\n")
+        for _ in range(40):
+            clock.advance(1)
+            proto.dataReceived(b"PING 2\n")
+        self.assertFalse(transport.disconnecting)
+
+    def test_close_aborts_if_peer_never_drains(self):
+        """A connection that does not finish closing is aborted after the close timeout."""
+        clock = _clock(1000)
+        proto, transport, _ = _server(clock)
+        proto.dataReceived(b"BOGUS\n")
+        self.assertTrue(transport.disconnecting)
+        self.assertFalse(transport.aborted)
+        clock.advance(15)
+        self.assertTrue(transport.aborted)
+
+
+class ErrorPathTest(SynchronousTestCase):
+    def _check_one_error_then_close(self, side, data, fragment):
+        clock = _clock()
+        proto, transport, receiver = (_server if side is Side.SERVER else _client)(clock)
+        transport.clear()
+        proto.dataReceived(data + b"PING 1\n")
+        lines = sent_lines(transport)
+        self.assertEqual(len(lines), 1, lines)
+        self.assertTrue(lines[0].startswith("ERROR "), lines)
+        self.assertIn(fragment, lines[0])
+        self.assertTrue(transport.disconnecting)
+        self.assertEqual(receiver.received(PingCommand), [])
+
+    def test_unknown_command(self):
+        """An unknown command gets one ERROR and a close; nothing after it is handled."""
+        self._check_one_error_then_close(Side.SERVER, b"HELLO there\n", "unknown command 'HELLO'")
+
+    def test_malformed_line(self):
+        """A malformed line gets one ERROR naming the problem and a close."""
+        self._check_one_error_then_close(Side.SERVER, b"POSITION events w1 x 2\n", "not an integer")
+
+    def test_bad_utf8(self):
+        """A line that is not UTF-8 gets one ERROR and a close."""
+        self._check_one_error_then_close(Side.SERVER, b"PING \xff\n", "UTF-8")
+
+    def test_server_command_from_client(self):
+        """A client that sends SERVER gets one ERROR (wrong side) and a close."""
+        self._check_one_error_then_close(Side.SERVER, b"SERVER evil\n", "invalid command from client: SERVER")
+
+    def test_client_command_from_server(self):
+        """A server that sends NAME or USER_SYNC gets one ERROR (wrong side) and a close."""
+        self._check_one_error_then_close(Side.CLIENT, b"NAME evil\n", "invalid command from server: NAME")
+        self._check_one_error_then_close(
+            Side.CLIENT, b"USER_SYNC a @u:hs None start 1\n", "invalid command from server: USER_SYNC"
+        )
+
+    def test_over_long_line_received(self):
+        """A line over 16 KiB gets ERROR Line length exceeded and a close."""
+        self._check_one_error_then_close(
+            Side.SERVER, b"PING " + b"x" * MAX_LINE_LENGTH + b"\n", "Line length exceeded"
+        )
+
+    def test_over_long_partial_line_received(self):
+        """Even without a newline, 16 KiB of unterminated data closes the connection."""
+        clock = _clock()
+        proto, transport, _ = _server(clock)
+        transport.clear()
+        for _ in range(20):
+            proto.dataReceived(b"x" * 1024)
+        self.assertEqual(sent_lines(transport), ["ERROR Line length exceeded"])
+        self.assertTrue(transport.disconnecting)
+
+    def test_line_at_limit_accepted(self):
+        """A line of exactly 16 KiB is accepted."""
+        clock = _clock()
+        proto, transport, receiver = _server(clock)
+        proto.dataReceived(b"PING " + b"x" * (MAX_LINE_LENGTH - 5) + b"\n")
+        self.assertFalse(transport.disconnecting)
+        self.assertEqual(len(receiver.received(PingCommand)), 1)
+
+    def test_over_long_send_refused(self):
+        """Sending a line over 16 KiB raises locally and writes nothing."""
+        clock = _clock()
+        proto, transport, _ = _server(clock)
+        transport.clear()
+        with self.assertRaises(LocalProtocolError):
+            proto.send_command(RdataCommand("events", "w1", 5, ["x" * MAX_LINE_LENGTH]))
+        self.assertEqual(transport.value(), b"")
+        self.assertFalse(transport.disconnecting)
+
+    def test_handler_exception_keeps_connection(self):
+        """A bug in the command handler is logged; the connection stays open."""
+
+        class Exploding(RecordingReceiver):
+            def on_command(self, conn, cmd):
+                raise RuntimeError("handler bug")
+
+        clock = _clock()
+        proto = make_protocol(Side.SERVER, Exploding(), clock)
+        transport = attach(proto)
+        proto.dataReceived(b"PING 1\n")
+        self.assertFalse(transport.disconnecting)
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 0)
+
+
+class CongestionTest(SynchronousTestCase):
+    def test_pause_and_resume(self):
+        """While paused, commands queue; on resume they are written in order."""
+        clock = _clock()
+        proto, transport, _ = _server(clock)
+        transport.clear()
+        proto.pauseProducing()
+        for i in range(3):
+            proto.send_command(PositionCommand("events", "master", i, i + 1))
+        self.assertEqual(transport.value(), b"")
+        self.assertEqual(proto.core.pending_commands, 3)
+        proto.resumeProducing()
+        self.assertEqual(
+            sent_lines(transport),
+            ["POSITION events master 0 1", "POSITION events master 1 2", "POSITION events master 2 3"],
+        )
+        self.assertEqual(proto.core.pending_commands, 0)
+
+    def test_high_water_folds_rows_into_positions(self):
+        """Past the high-water mark, rows of each writer fold into one POSITION placeholder."""
+        clock = _clock()
+        proto, transport, _ = _server(clock, high_water=5, hard_limit=10)
+        transport.clear()
+        proto.pauseProducing()
+        for token in range(1, 6):
+            proto.send_command(RdataCommand("events", "w1", token, [token]))
+        self.assertFalse(proto.core.congested)
+        for token in range(6, 1000):
+            proto.send_command(RdataCommand("events", "w1", None, ["batch"]))
+            proto.send_command(RdataCommand("events", "w1", token, [token]))
+        proto.send_command(PositionCommand("events", "w1", 999, 1005))
+        proto.send_command(RdataCommand("caches", "w2", 7, ["c", None, 1]))
+        self.assertTrue(proto.core.congested)
+        self.assertEqual(proto.core.pending_commands, 7)
+        proto.resumeProducing()
+        self.assertEqual(
+            sent_lines(transport),
+            [f"RDATA events w1 {t} [{t}]" for t in range(1, 6)]
+            + ["POSITION events w1 999 1005", "POSITION caches w2 7 7"],
+        )
+        self.assertFalse(proto.core.congested)
+
+    def test_queue_stays_bounded_under_rows(self):
+        """However many rows arrive while paused, the queue stays at the high-water mark plus one per writer."""
+        clock = _clock()
+        proto, transport, _ = _server(clock, high_water=100, hard_limit=200)
+        proto.pauseProducing()
+        for token in range(100_000):
+            proto.send_command(RdataCommand("events", f"w{token % 3}", token, [token]))
+        self.assertEqual(proto.core.pending_commands, 103)
+        self.assertFalse(transport.disconnecting)
+
+    def test_hard_limit_closes(self):
+        """Past the hard limit of non-row commands, ERROR Failed to keep up is sent and the connection closes."""
+        clock = _clock()
+        proto, transport, _ = _server(clock, high_water=5, hard_limit=10)
+        transport.clear()
+        proto.pauseProducing()
+        for i in range(10):
+            proto.send_command(PingCommand(str(i)))
+        self.assertFalse(transport.disconnecting)
+        proto.send_command(PingCommand("10"))
+        self.assertEqual(sent_lines(transport), ["ERROR Failed to keep up"])
+        self.assertTrue(transport.disconnecting)
+        self.assertEqual(proto.core.pending_commands, 0)
+
+    def test_resume_drains_in_steps(self):
+        """A write that pauses the producer mid-drain stops the drain; the rest waits."""
+
+        class TinyBufferTransport(PumpTransport):
+            def write(self, data):
+                super().write(data)
+                if len(self.io.getvalue()) > 200 and self.producer is not None:
+                    self.producer.pauseProducing()
+
+        clock = _clock()
+        receiver = RecordingReceiver()
+        proto = make_protocol(Side.SERVER, receiver, clock)
+        transport = TinyBufferTransport(1)
+        proto.makeConnection(transport)
+        transport.clear()
+        proto.pauseProducing()
+        for i in range(500):
+            proto.send_command(PositionCommand("events", "master", i, i + 1))
+        proto.resumeProducing()
+        written = len(sent_lines(transport))
+        self.assertLess(written, 500)
+        self.assertEqual(proto.core.pending_commands, 500 - written)
+
+
+class _Endpoint:
+    """A client endpoint that refuses a given number of attempts, then connects."""
+
+    def __init__(self, clock, refusals):
+        self.clock = clock
+        self.refusals = refusals
+        self.attempts = []
+        self.protocols = []
+
+    def connect(self, factory):
+        self.attempts.append(self.clock.seconds())
+        if self.refusals > 0:
+            self.refusals -= 1
+            return fail(ConnectionRefusedError())
+        proto = factory.buildProtocol(None)
+        transport = PumpTransport(5)
+        proto.makeConnection(transport)
+        self.protocols.append((proto, transport))
+        return succeed(proto)
+
+
+class BackoffTest(SynchronousTestCase):
+    def test_backoff_values(self):
+        """Backoff delays grow by the multiplier, stay within jitter, and cap."""
+        backoff = Backoff(initial_s=0.1, multiplier=2.0, max_s=5.0, jitter=0.1)
+        rng = random.Random(4)
+        delays = [backoff.delay(n, rng) for n in range(1, 12)]
+        for n, d in enumerate(delays, start=1):
+            base = backoff.base_delay(n)
+            self.assertGreaterEqual(d, base * 0.9)
+            self.assertLessEqual(d, min(5.0, base * 1.1))
+        self.assertEqual([backoff.base_delay(n) for n in range(1, 8)], [0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 5.0])
+        self.assertEqual(backoff.base_delay(1000), 5.0)
+
+    def _service(self, clock, endpoint, seed=7):
+        return ReplicationClientService(
+            endpoint,
+            server_name="example.com",
+            instance_name="persister1",
+            handler=None,
+            clock=clock,
+            backoff=Backoff(initial_s=0.1, multiplier=2.0, max_s=5.0, jitter=0.1),
+            rng=random.Random(seed),
+        )
+
+    def test_reconnect_delays_grow_cap_and_reset(self):
+        """Reconnect delays grow and cap while refused, and reset after a handshake."""
+        clock = MemoryReactorClock()
+        endpoint = _Endpoint(clock, refusals=9)
+        service = self._service(clock, endpoint)
+        service.startService()
+        for _ in range(9):
+            (call,) = clock.getDelayedCalls()
+            clock.advance(call.getTime() - clock.seconds())
+        gaps = [b - a for a, b in zip(endpoint.attempts, endpoint.attempts[1:])]
+        expected_rng = random.Random(7)
+        backoff = Backoff(initial_s=0.1, multiplier=2.0, max_s=5.0, jitter=0.1)
+        expected = [backoff.delay(n, expected_rng) for n in range(1, 10)]
+        for gap, want in zip(gaps, expected, strict=True):
+            self.assertAlmostEqual(gap, want, places=6)
+        self.assertEqual(max(gaps), max(expected))
+        self.assertLessEqual(max(gaps), 5.0)
+        self.assertGreater(gaps[-1], 4.4)
+
+        # Connected: complete the handshake, then lose the connection.
+        proto, transport = endpoint.protocols[0]
+        proto.dataReceived(b"SERVER example.com\n")
+        self.assertTrue(service.connected)
+        proto.connectionLost(Failure(ConnectionDone()))
+        self.assertEqual(service.failures, 1)
+        delay = service.retry_call.getTime() - clock.seconds()
+        self.assertLessEqual(delay, 0.11)
+        service.stopService()
+
+    def test_failed_handshake_does_not_reset(self):
+        """A connection closed for a wrong server name keeps the backoff growing."""
+        clock = MemoryReactorClock()
+        endpoint = _Endpoint(clock, refusals=5)
+        service = self._service(clock, endpoint)
+        service.startService()
+        for _ in range(5):
+            (call,) = clock.getDelayedCalls()
+            clock.advance(call.getTime() - clock.seconds())
+        proto, transport = endpoint.protocols[0]
+        proto.dataReceived(b"SERVER impostor\n")
+        self.assertTrue(transport.disconnecting)
+        proto.connectionLost(Failure(ConnectionDone()))
+        retry = service.retry_call
+        self.assertIsNotNone(retry)
+        delay = retry.getTime() - clock.seconds()
+        self.assertGreater(delay, 1.5)
+        self.assertEqual(service.failures, 6)
+        service.stopService()
+
+    def test_send_while_disconnected_is_counted(self):
+        """A command sent with no connection is dropped and counted, not raised."""
+        clock = MemoryReactorClock()
+        endpoint = _Endpoint(clock, refusals=100)
+        service = self._service(clock, endpoint)
+        service.startService()
+        service.send_command(PingCommand("1"))
+        self.assertEqual(service.dropped_commands, 1)
+        service.stopService()
