@@ -25,9 +25,9 @@ from twisted.internet.endpoints import TCP4ClientEndpoint
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from synflow.replication.client import ReplicationClientService  # noqa: E402
-from synflow.replication.commands import RdataCommand  # noqa: E402
-from synflow.testing import RecordingReceiver  # noqa: E402
+from synflow.replication.client import ReplicationClientService
+from synflow.replication.commands import RdataCommand
+from synflow.testing import RecordingReceiver
 
 
 def free_port() -> int:
@@ -83,7 +83,10 @@ def main() -> int:
     port = free_port()
     config = os.path.join(workdir, "master.yaml")
     with open(config, "w") as f:
-        f.write(f"server_name: localhost\napp: master\ninstance_name: master\nreplication:\n  hub: {{host: 127.0.0.1, port: {port}}}\n")
+        f.write(
+            f"server_name: localhost\napp: master\ninstance_name: master\ndata_dir: {workdir}/var\n"
+            f"audit: {{dir: {workdir}/var/audit}}\nreplication:\n  hub: {{host: 127.0.0.1, port: {port}}}\n"
+        )
     log = os.path.join(workdir, "master.log")
     print(f"==> starting the master with twistd (hub on 127.0.0.1:{port}, log {log})")
     master = subprocess.Popen(

@@ -12,9 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 from twisted.internet.address import IPv4Address
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.interfaces import IReactorTime, IStreamClientEndpoint
+from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
+from zope.interface import implementer
 
 from synflow.replication.commands import AnyCommand, Side, parse_line
 from synflow.replication.core import ConnectionCore
@@ -170,3 +172,262 @@ class Pump:
 
         for proto in (self.server, self.client):
             proto.connectionLost(Failure(ConnectionDone("pump disconnected")))
+
+
+# -- an in-memory Redis pub/sub server ---------------------------------------------
+
+
+class FakeRedisProtocol(Protocol):
+    """Speaks enough RESP for pub/sub replication: AUTH, SELECT, PING, SUBSCRIBE,
+    UNSUBSCRIBE, PUBLISH, QUIT. Anything else gets an error reply."""
+
+    transport: Any
+
+    def __init__(self, server: FakeRedisServer) -> None:
+        self.server = server
+        self.buffer = b""
+        self.authed = server.password is None
+        self.channels: set[bytes] = set()
+
+    def connectionMade(self) -> None:
+        self.server.clients.add(self)
+
+    def connectionLost(self, reason: Failure = None) -> None:  # type: ignore[assignment]
+        self.server.clients.discard(self)
+
+    def dataReceived(self, data: bytes) -> None:
+        self.buffer += data
+        while True:
+            parsed = _parse_resp(self.buffer)
+            if parsed is None:
+                return
+            command, self.buffer = parsed
+            self._handle([c for c in command])
+
+    def _reply(self, value: Any) -> None:
+        self.transport.write(_encode_resp(value))
+
+    def _handle(self, args: list[bytes]) -> None:
+        name = args[0].upper() if args else b""
+        self.server.commands.append(name.decode())
+        if name == b"AUTH":
+            if self.server.password is not None and args[-1].decode() == self.server.password:
+                self.authed = True
+                self._reply(_Simple(b"OK"))
+            else:
+                self._reply(_Error(b"WRONGPASS invalid username-password pair or user is disabled."))
+            return
+        if not self.authed:
+            self._reply(_Error(b"NOAUTH Authentication required."))
+            return
+        if name == b"SELECT" or name == b"CLIENT":
+            self._reply(_Simple(b"OK"))
+        elif name == b"PING":
+            self._reply(_Simple(b"PONG"))
+        elif name == b"SUBSCRIBE":
+            for channel in args[1:]:
+                self.channels.add(channel)
+                self._reply([b"subscribe", channel, len(self.channels)])
+        elif name == b"UNSUBSCRIBE":
+            for channel in args[1:]:
+                self.channels.discard(channel)
+                self._reply([b"unsubscribe", channel, len(self.channels)])
+        elif name == b"PUBLISH":
+            channel, message = args[1], args[2]
+            receivers = [c for c in list(self.server.clients) if channel in c.channels]
+            for client in receivers:
+                client._reply([b"message", channel, message])
+            self._reply(len(receivers))
+        elif name == b"QUIT":
+            self._reply(_Simple(b"OK"))
+            self.transport.loseConnection()
+        else:
+            self._reply(_Error(b"ERR unknown command '" + name + b"'"))
+
+
+class _Simple(bytes):
+    pass
+
+
+class _Error(bytes):
+    pass
+
+
+def _encode_resp(value: Any) -> bytes:
+    if isinstance(value, _Simple):
+        return b"+" + value + b"\r\n"
+    if isinstance(value, _Error):
+        return b"-" + value + b"\r\n"
+    if isinstance(value, int):
+        return b":%d\r\n" % value
+    if isinstance(value, bytes):
+        return b"$%d\r\n%s\r\n" % (len(value), value)
+    if isinstance(value, list):
+        return b"*%d\r\n" % len(value) + b"".join(_encode_resp(v) for v in value)
+    raise TypeError(value)
+
+
+def _parse_resp(data: bytes) -> tuple[list[bytes], bytes] | None:
+    """One command (an array of bulk strings, or an inline command) off the buffer."""
+    if not data:
+        return None
+    if not data.startswith(b"*"):
+        line, sep, rest = data.partition(b"\r\n")
+        return (line.split(), rest) if sep else None
+    head, sep, rest = data.partition(b"\r\n")
+    if not sep:
+        return None
+    count = int(head[1:])
+    items = []
+    for _ in range(count):
+        size_line, sep, rest = rest.partition(b"\r\n")
+        if not sep:
+            return None
+        size = int(size_line[1:])
+        if len(rest) < size + 2:
+            return None
+        items.append(rest[:size])
+        rest = rest[size + 2:]
+    return items, rest
+
+
+class FakeRedisServer(Factory):
+    """An in-memory Redis pub/sub server for the in-process test layer.
+
+    Connect to it with :meth:`endpoint`; :meth:`kill_clients` drops every
+    connection, as ``CLIENT KILL`` would.
+    """
+
+    def __init__(self, password: str | None = None) -> None:
+        self.password = password
+        self.clients: set[FakeRedisProtocol] = set()
+        self.commands: list[str] = []
+
+    def buildProtocol(self, addr: Any) -> FakeRedisProtocol:
+        return FakeRedisProtocol(self)
+
+    def endpoint(self) -> MemoryEndpoint:
+        return MemoryEndpoint(self)
+
+    def kill_clients(self) -> int:
+        clients = list(self.clients)
+        for client in clients:
+            client.transport.loseConnection()
+        return len(clients)
+
+
+class _MemoryTransport:
+    """One end of an in-memory connection; writes reach the peer on the next reactor turn."""
+
+    disconnecting = False
+
+    def __init__(self, reactor: Any, protocol: Any, port: int) -> None:
+        self.reactor = reactor
+        self.protocol = protocol
+        self.peer: _MemoryTransport | None = None
+        self.port = port
+        self._buffer: list[bytes] = []
+        self._scheduled = False
+        self.closed = False
+        self.producer: Any = None
+
+    def write(self, data: bytes) -> None:
+        if self.closed or self.disconnecting or not data:
+            return
+        self._buffer.append(data)
+        if not self._scheduled:
+            self._scheduled = True
+            self.reactor.callLater(0, self._deliver)
+
+    def writeSequence(self, data: Any) -> None:
+        for chunk in data:
+            self.write(chunk)
+
+    def _deliver(self) -> None:
+        self._scheduled = False
+        data, self._buffer = b"".join(self._buffer), []
+        peer = self.peer
+        if data and peer is not None and not peer.closed:
+            peer.protocol.dataReceived(data)
+        if self.disconnecting:
+            self._close()
+
+    def loseConnection(self) -> None:
+        if self.closed or self.disconnecting:
+            return
+        self.disconnecting = True
+        if not self._scheduled:
+            self._scheduled = True
+            self.reactor.callLater(0, self._deliver)
+
+    abortConnection = loseConnection
+
+    def _close(self) -> None:
+        from twisted.internet.error import ConnectionDone
+
+        for end in (self, self.peer):
+            if end is not None and not end.closed:
+                end.closed = True
+                end.protocol.connectionLost(Failure(ConnectionDone("memory connection closed")))
+
+    def getPeer(self) -> IPv4Address:
+        return IPv4Address("TCP", "127.0.0.1", self.peer.port if self.peer else 0)
+
+    def getHost(self) -> IPv4Address:
+        return IPv4Address("TCP", "127.0.0.1", self.port)
+
+    def registerProducer(self, producer: Any, streaming: bool) -> None:
+        self.producer = producer
+
+    def unregisterProducer(self) -> None:
+        self.producer = None
+
+    def pauseProducing(self) -> None:
+        pass
+
+    def resumeProducing(self) -> None:
+        pass
+
+    def stopProducing(self) -> None:
+        self.loseConnection()
+
+    def setTcpNoDelay(self, enabled: bool) -> None:
+        pass
+
+    def setTcpKeepAlive(self, enabled: bool) -> None:
+        pass
+
+
+@implementer(IStreamClientEndpoint)
+class MemoryEndpoint:
+    """A client endpoint whose connections go to a server factory in memory.
+
+    Both ends run their real protocol code; bytes cross on the next turn of
+    the running reactor.
+    """
+
+    def __init__(self, server_factory: Factory, reactor: Any = None) -> None:
+        self.server_factory = server_factory
+        self.reactor = reactor
+        self.refuse = False
+        self._ports = iter(range(50000, 60000))
+
+    def connect(self, factory: Any) -> Any:
+        from twisted.internet.defer import fail, succeed
+        from twisted.internet.error import ConnectionRefusedError
+
+        if self.refuse:
+            return fail(ConnectionRefusedError("memory endpoint refusing"))
+        if self.reactor is None:
+            from twisted.internet import reactor as global_reactor
+
+            self.reactor = global_reactor
+        addr = IPv4Address("TCP", "127.0.0.1", 6379)
+        client = factory.buildProtocol(addr)
+        server: Any = self.server_factory.buildProtocol(addr)
+        ct = _MemoryTransport(self.reactor, client, next(self._ports))
+        st = _MemoryTransport(self.reactor, server, 6379)
+        ct.peer, st.peer = st, ct
+        server.makeConnection(st)
+        client.makeConnection(ct)
+        return succeed(client)

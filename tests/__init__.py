@@ -22,6 +22,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
 # trial working directory, for debugging a failure.
 import logging  # noqa: E402
 
+
 class _CwdFileHandler(logging.FileHandler):
     """Opens its file on first use, relative to the working directory then
     (trial's temp directory while tests run), not at import time."""
@@ -36,7 +37,7 @@ class _CwdFileHandler(logging.FileHandler):
         self.errors = None
         self.delay = True
 
-    def _open(self):  # noqa: ANN202
+    def _open(self):
         return open(os.path.abspath(self._name), "a", encoding="utf-8")
 
 

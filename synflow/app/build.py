@@ -8,14 +8,16 @@ from typing import Any
 
 from twisted.application.service import MultiService
 
-from synflow.app.services import ListeningService
+from synflow.app.base import ProcessService
 from synflow.config import SynflowConfig
-from synflow.errors import ConfigError
-from synflow.replication.hub import ReplicationHub, ReplicationServerFactory
 
 
-class _TwistedLogHandler(logging.Handler):
-    """Sends stdlib log records to Twisted's log (and so to twistd's logfile)."""
+class _StderrHandler(logging.Handler):
+    """Writes stdlib log records to the *current* ``sys.stderr``.
+
+    Under twistd, stderr is redirected into the process log once logging
+    starts (after ``makeService``), so the stream is looked up per record.
+    """
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -28,30 +30,13 @@ class _TwistedLogHandler(logging.Handler):
 def setup_logging(config: SynflowConfig) -> None:
     """Route synflow's stdlib logging into the process log at the configured level."""
     root = logging.getLogger()
-    if not any(isinstance(h, _TwistedLogHandler) for h in root.handlers):
-        handler = _TwistedLogHandler()
+    if not any(isinstance(h, _StderrHandler) for h in root.handlers):
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
         root.addHandler(handler)
     root.setLevel(config.log_level.upper())
 
 
-def build_service(config: SynflowConfig, reactor: Any) -> MultiService:
+def build_service(config: SynflowConfig, reactor: Any, *, exit_on_failure: bool = True) -> MultiService:
     """The process's root service for its ``app``."""
-    top = MultiService()
-    if config.app == "master":
-        hub = ReplicationHub(None)
-        factory = ReplicationServerFactory(
-            hub,
-            config.server_name,
-            reactor,
-            ping_interval_s=config.replication.ping_interval_s,
-            ping_timeout_s=config.replication.ping_timeout_s,
-            high_water=config.replication.high_water,
-            hard_limit=config.replication.hard_limit,
-        )
-        svc = ListeningService(reactor, config.replication.hub.server_endpoint(), factory)
-        svc.setName("replication-hub")
-        svc.setServiceParent(top)
-        top.hub = hub  # type: ignore[attr-defined]
-        return top
-    raise ConfigError(f"app {config.app!r} is not available yet", key="app")
+    return ProcessService(config, reactor, exit_on_failure=exit_on_failure)

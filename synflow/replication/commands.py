@@ -54,11 +54,13 @@ class Side(enum.Flag):
     @property
     def word(self) -> str:
         """``"server"`` or ``"client"``, for messages."""
-        return "server" if self is Side.SERVER else "client"
+        return {Side.SERVER: "server", Side.CLIENT: "client"}.get(self, "peer")
 
     @property
     def peer(self) -> Side:
-        """The opposite side (only meaningful for SERVER and CLIENT)."""
+        """The opposite side; on a bus (BOTH) every peer may send anything."""
+        if self is Side.BOTH:
+            return Side.BOTH
         return Side.CLIENT if self is Side.SERVER else Side.SERVER
 
 

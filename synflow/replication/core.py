@@ -140,6 +140,7 @@ class CoreStats:
     commands_out: dict[str, int] = attrs.Factory(dict)
     rows_folded: int = 0
     dropped_closed: int = 0
+    bad_lines: int = 0
 
 
 class ConnectionCore:
@@ -172,8 +173,8 @@ class ConnectionCore:
         high_water_bytes: int = HIGH_WATER_BYTES,
         hard_limit_bytes: int = HARD_LIMIT_BYTES,
     ) -> None:
-        if side not in (Side.SERVER, Side.CLIENT):
-            raise ValueError("a connection core is either the SERVER or the CLIENT side")
+        if side not in (Side.SERVER, Side.CLIENT, Side.BOTH):
+            raise ValueError("a connection core is the SERVER, the CLIENT, or BOTH (a pub/sub bus)")
         if side is Side.CLIENT and not instance_name:
             raise ValueError("a client core needs its instance_name for NAME")
         if not 0 < high_water <= hard_limit:
@@ -224,6 +225,8 @@ class ConnectionCore:
         self.state = State.ESTABLISHED
         self.last_received = now
         actions: list[Action] = []
+        if self.side is Side.BOTH:
+            return actions  # a bus: the transport does its own handshake
         if self.side is Side.SERVER:
             actions += self._send_now(ServerCommand(self.server_name), now)
             actions += self._send_now(PingCommand(_ping_data(now)), now)
@@ -265,6 +268,11 @@ class ConnectionCore:
         try:
             cmd = parse_line(line)
         except ProtocolError as e:
+            if self.side is Side.BOTH:
+                # A shared bus has no connection to close: report and go on.
+                self.stats.bad_lines += 1
+                logger.warning("ignoring unparseable message on the replication bus: %s", e)
+                return []
             logger.warning("closing %s: failed to parse line: %s", self._describe(), e)
             return self.close(f"failed to parse line: {e}", now)
         peer = self.side.peer
@@ -404,6 +412,8 @@ class ConnectionCore:
 
     def _describe(self) -> str:
         peer = self.peer_name or "?"
+        if self.side is Side.BOTH:
+            return "replication bus"
         return f"replication connection to {peer} ({self.side.peer.word})"
 
 

@@ -1,0 +1,139 @@
+"""What every synflow process does at start-up, whatever its app type.
+
+:class:`ProcessService` is the root service of a process. Its
+``startService`` returns at once and runs the start-up asynchronously: open
+the database; on the master apply migrations, on a worker wait (bounded) for
+the schema the master applies; load instance IDs; assemble replication; then
+let the app type add its own services (:meth:`ProcessService.setup_app`).
+If start-up fails, the reason is logged in one line and the process exits
+non-zero. ``stopService`` stops the app's services, then replication (which
+persists positions), then closes the database and the audit log.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+import attrs
+from twisted.application.service import MultiService
+from twisted.internet.defer import Deferred, succeed
+
+from synflow.app.replication import Replication, setup_replication
+from synflow.audit import AuditLog
+from synflow.config import SynflowConfig
+from synflow.errors import SynflowError
+from synflow.storage.engines import Database, DatabaseConfig
+from synflow.storage.instances import InstanceMap
+from synflow.storage.prepare import prepare_database, wait_for_schema
+
+logger = logging.getLogger(__name__)
+
+
+def database_config(config: SynflowConfig) -> DatabaseConfig:
+    """The storage layer's config from the ``database:`` section."""
+    section = {k: v for k, v in attrs.asdict(config.database).items() if v is not None}
+    if section.get("engine", "sqlite") == "sqlite" and "path" not in section:
+        section["path"] = os.path.join(config.data_dir, "synflow.db")
+    return DatabaseConfig.from_dict(section)
+
+
+class ProcessService(MultiService):
+    """The root service of one synflow process.
+
+    Args:
+        config: the validated config.
+        reactor: the reactor (only ``synflow/app`` passes the global one).
+        exit_on_failure: stop the reactor with an error if start-up fails.
+    """
+
+    def __init__(self, config: SynflowConfig, reactor: Any, *, exit_on_failure: bool = True) -> None:
+        super().__init__()
+        self.config = config
+        self.reactor = reactor
+        self.exit_on_failure = exit_on_failure
+        self.db: Database | None = None
+        self.audit: AuditLog | None = None
+        self.instances: InstanceMap | None = None
+        self.replication: Replication | None = None
+        self.app_services = MultiService()
+        self.ready: Deferred[ProcessService] = Deferred()
+        self.started = False
+        self.failure: str | None = None
+
+    def startService(self) -> None:
+        MultiService.startService(self)
+        d = Deferred.fromCoroutine(self._start())
+        d.addCallbacks(self._started, self._start_failed)
+
+    async def _start(self) -> None:
+        config = self.config
+        os.makedirs(config.data_dir, exist_ok=True)
+        self.audit = AuditLog(
+            config.audit.dir, config.instance_name, self.reactor,
+            max_bytes=config.audit.max_bytes, enabled=config.audit.enabled,
+        )
+        db = self.db = Database(self.reactor, database_config(config))
+        if config.app == "master":
+            version = await prepare_database(db, apply=True)
+        else:
+            version = await wait_for_schema(db, self.reactor)
+        logger.info("%s %r: database schema at version %s", config.app, config.instance_name, version)
+        self.instances = InstanceMap(db, self.audit)
+        await self.instances.load()
+        self.replication = await setup_replication(config, self.reactor, db, audit=self.audit)
+        await self.instances.ids_for(sorted(self.replication.handler.positions("events")))
+        await self.setup_app()
+        self.replication.service.setServiceParent(self)
+        when_ready = getattr(self.replication.transport, "when_ready", None)
+        if when_ready is not None:
+            await when_ready()
+        self.app_services.setServiceParent(self)
+
+    async def setup_app(self) -> None:
+        """Add the app type's services to ``self.app_services`` (subclasses)."""
+
+    def _started(self, _: Any) -> None:
+        self.started = True
+        logger.info("%s %r started", self.config.app, self.config.instance_name)
+        self.ready.callback(self)
+
+    def _start_failed(self, failure: Any) -> None:
+        if isinstance(failure.value, SynflowError):
+            self.failure = str(failure.value)
+        else:
+            self.failure = f"{type(failure.value).__name__}: {failure.value}"
+            logger.error("start-up failed:\n%s", failure.getTraceback())
+        logger.error("%s %r could not start: %s", self.config.app, self.config.instance_name, self.failure)
+        sys.stderr.write(f"synflow: {self.config.instance_name} could not start: {self.failure}\n")
+        self.ready.errback(failure)
+        self.ready.addErrback(lambda _: None)
+        if self.exit_on_failure and self.reactor.running:
+            self.reactor.callLater(0, _exit, self.reactor, 1)
+
+    def stopService(self) -> Deferred[None]:
+        d: Deferred[Any] = Deferred.fromCoroutine(self._stop())
+        return d
+
+    async def _stop(self) -> None:
+        if self.app_services.running:
+            await _maybe(self.app_services.stopService())
+        if self.replication is not None and self.replication.service.running:
+            await _maybe(self.replication.service.stopService())
+        MultiService.stopService(self)
+        if self.db is not None:
+            await self.db.close()
+        if self.audit is not None:
+            self.audit.close()
+
+
+def _maybe(result: Any) -> Deferred[Any]:
+    return result if isinstance(result, Deferred) else succeed(result)
+
+
+def _exit(reactor: Any, code: int) -> None:
+    """Stop the reactor, then leave with ``code`` (twistd itself would exit 0)."""
+    reactor.addSystemEventTrigger("after", "shutdown", os._exit, code)
+    reactor.stop()

@@ -1,0 +1,156 @@
+"""Assembles replication for one process: positions, generators, handler, transport.
+
+:func:`setup_replication` loads every stream's state from the database
+(checking and, where safe, repairing it), builds the ID generators of the
+streams this instance writes, the handler with a database catch-up source
+per stream, and the transport the config chooses: the TCP hub on the master
+(every worker connects to it) or a reconnecting client on a worker, or Redis
+pub/sub on every process.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import attrs
+from twisted.application.service import MultiService, Service
+from twisted.internet.defer import Deferred
+from twisted.internet.endpoints import clientFromString
+
+from synflow.app.services import ListeningService
+from synflow.audit import AuditLog
+from synflow.config import SynflowConfig, Transport
+from synflow.replication.client import ReplicationClientService
+from synflow.replication.handler import ReplicationHandler
+from synflow.replication.hub import ReplicationHub, ReplicationServerFactory
+from synflow.storage.engines import Database
+from synflow.storage.id_generators import (
+    MultiWriterIdGenerator,
+    StreamWriters,
+    load_stream_state_txn,
+    persist_position_txn,
+)
+from synflow.streams import STREAMS, StreamDef, Writers
+from synflow.streams.sources import DatabaseSource
+
+
+def writes_stream(config: SynflowConfig, stream: StreamDef) -> bool:
+    """Whether this instance writes ``stream``."""
+    if stream.writers is Writers.ANY:
+        return True
+    if stream.writers is Writers.MASTER:
+        return config.app == "master"
+    return config.instance_name in config.event_writers
+
+
+@attrs.define
+class Replication:
+    """The replication parts of one process."""
+
+    handler: ReplicationHandler
+    writers: StreamWriters
+    service: MultiService
+    hub: ReplicationHub | None = None
+    client: ReplicationClientService | None = None
+    transport: Any = None
+
+
+def core_options(config: SynflowConfig) -> dict[str, Any]:
+    r = config.replication
+    return {
+        "ping_interval_s": r.ping_interval_s,
+        "ping_timeout_s": r.ping_timeout_s,
+        "high_water": r.high_water,
+        "hard_limit": r.hard_limit,
+    }
+
+
+async def setup_replication(
+    config: SynflowConfig,
+    reactor: Any,
+    db: Database,
+    *,
+    audit: AuditLog | None = None,
+    rng: random.Random | None = None,
+) -> Replication:
+    """Load stream state and build the handler and transport (not started)."""
+    me = config.instance_name
+    generators: dict[str, MultiWriterIdGenerator] = {}
+    positions: dict[str, dict[str, int]] = {}
+    for name, stream in STREAMS.items():
+        state = await db.run_interaction(
+            f"load_stream_{name}", load_stream_state_txn, stream, me, True, idempotent=True
+        )
+        view = dict(state.positions)
+        if stream.writers is Writers.CONFIGURED:
+            for writer in config.event_writers:
+                view.setdefault(writer, 1)
+        if writes_stream(config, stream):
+            start = max(state.last_allocated, view.get(me, 1), state.own_max_row or 1)
+            gen = MultiWriterIdGenerator(stream, me, start, reactor, audit)
+            gen.persisted_position = state.positions.get(me, 0)
+            generators[name] = gen
+            view[me] = start
+        positions[name] = view
+
+    def persist(stream: str, position: int) -> Deferred[Any]:
+        return db.run_interaction("persist_position", persist_position_txn, stream, me, position, idempotent=True)
+
+    handler = ReplicationHandler(
+        me,
+        reactor,
+        streams=STREAMS,
+        sources={name: DatabaseSource(db, s) for name, s in STREAMS.items()},
+        generators=generators,
+        initial_positions=positions,
+        audit=audit,
+        tick_interval_s=config.replication.idle_announce_interval_s,
+        persist=persist,
+    )
+    service = MultiService()
+    repl = Replication(handler, StreamWriters(db, generators), service)
+    service.addService(_HandlerService(handler))
+    if config.replication.transport is Transport.REDIS:
+        from synflow.replication.redis import RedisTransportService
+
+        transport = RedisTransportService(config, handler, reactor, rng=rng)
+        transport.setServiceParent(service)
+        repl.transport = transport
+    elif config.app == "master":
+        hub = ReplicationHub(handler)
+        factory = ReplicationServerFactory(hub, config.server_name, reactor, **core_options(config))
+        listener = ListeningService(reactor, config.replication.hub.server_endpoint(), factory)
+        listener.setName("replication-hub")
+        listener.setServiceParent(service)
+        repl.hub = hub
+        repl.transport = hub
+    else:
+        client = ReplicationClientService(
+            clientFromString(reactor, config.replication.hub.client_endpoint()),
+            server_name=config.server_name,
+            instance_name=me,
+            handler=handler,
+            clock=reactor,
+            rng=rng,
+            **core_options(config),
+        )
+        client.setName("replication-client")
+        client.setServiceParent(service)
+        repl.client = client
+        repl.transport = client
+    handler.set_transport(repl.transport)
+    return repl
+
+
+class _HandlerService(Service):
+    def __init__(self, handler: ReplicationHandler) -> None:
+        self.handler = handler
+
+    def startService(self) -> None:
+        super().startService()
+        self.handler.start()
+
+    def stopService(self) -> Deferred[Any]:
+        super().stopService()
+        return self.handler.stop()

@@ -1,0 +1,748 @@
+"""Database engines, the transaction wrapper and the connection pool.
+
+synflow talks to SQLite (the embedded default) or PostgreSQL through
+:mod:`twisted.enterprise.adbapi`. Everything that differs between the two lives
+in an :class:`Engine`: how to connect, the placeholder style, a few SQL
+snippets, and which errors are worth retrying. Store code writes SQL once,
+with ``?`` placeholders, in functions that run on a pool thread and end in
+``_txn``; they receive a :class:`Txn`. :class:`Database` runs them, commits or
+rolls back, fires the after-commit/on-rollback callbacks on the reactor
+thread, retries idempotent work after transient errors, and keeps per-``desc``
+counts and timings.
+
+The configuration (:class:`DatabaseConfig`) is validated here too, so the
+config loader only has to call :meth:`DatabaseConfig.from_dict`.
+"""
+
+from __future__ import annotations
+
+import abc
+import functools
+import os
+import re
+import sqlite3
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, ClassVar, Literal, cast
+
+import attrs
+from twisted.enterprise import adbapi
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.interfaces import IReactorCore, IReactorTime
+from twisted.internet.task import deferLater
+from twisted.logger import Logger
+
+from synflow.errors import ConfigError, StorageError
+
+log = Logger()
+
+#: How long a SQLite connection waits for another process's write lock.
+SQLITE_BUSY_TIMEOUT_S = 30.0
+#: How many times an ``idempotent=True`` interaction is retried after a transient error.
+MAX_RETRIES = 5
+#: Delay before the first retry; each further retry doubles it (0.05, 0.1, 0.2, ...).
+RETRY_BACKOFF_S = 0.05
+#: Rows per statement for :meth:`Txn.insert_many` on PostgreSQL.
+INSERT_PAGE_SIZE = 1000
+
+EngineName = Literal["sqlite", "postgres"]
+ENGINE_ALIASES: Mapping[str, EngineName] = {
+    "sqlite": "sqlite", "sqlite3": "sqlite",
+    "postgres": "postgres", "postgresql": "postgres", "psycopg2": "postgres",
+}
+_MEMORY_PATHS = (":memory:", "")
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?$")
+
+
+# --------------------------------------------------------------------- config
+
+
+def _default_cp_max(config: DatabaseConfig) -> int:
+    return 1 if config.engine == "sqlite" else 5
+
+
+@attrs.frozen
+class DatabaseConfig:
+    """The ``database`` section of the configuration.
+
+    Attributes:
+        engine: ``"sqlite"`` (embedded default) or ``"postgres"``.
+        path: the SQLite database file. ``":memory:"`` only with ``cp_max == 1``.
+        host: PostgreSQL host name or socket directory.
+        port: PostgreSQL port.
+        user: PostgreSQL user.
+        password: PostgreSQL password, or None for trust/peer/.pgpass auth.
+        dbname: PostgreSQL database name.
+        cp_min: connections the pool keeps open.
+        cp_max: most connections (and pool threads); 1 for SQLite, 5 for PostgreSQL.
+        connect_timeout_s: how long to wait for a PostgreSQL connection.
+
+    Raises:
+        StorageError: when the values are inconsistent (see :meth:`from_dict`
+            for the same checks reported as a :class:`ConfigError`).
+    """
+
+    engine: EngineName = "sqlite"
+    path: str = "synflow.db"
+    host: str = "localhost"
+    port: int = 5432
+    user: str = "synflow"
+    password: str | None = attrs.field(default=None, repr=False)
+    dbname: str = "synflow"
+    cp_min: int = 1
+    cp_max: int = attrs.field(default=attrs.Factory(_default_cp_max, takes_self=True))
+    connect_timeout_s: float = 10.0
+
+    def __attrs_post_init__(self) -> None:
+        problem = _config_problem(attrs.asdict(self))
+        if problem is not None:
+            raise StorageError(f"database.{problem[0]}: {problem[1]}")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> DatabaseConfig:
+        """Build a config from the ``database`` mapping of a YAML file.
+
+        Args:
+            d: the mapping; absent keys take their defaults. ``engine`` also
+                accepts Synapse's spellings ``sqlite3`` and ``psycopg2``.
+
+        Returns:
+            The validated config.
+
+        Raises:
+            ConfigError: naming the key (``database.<key>``) of the first
+                unknown, mistyped or inconsistent value.
+        """
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"must be a mapping, got {type(d).__name__}", key="database")
+        kwargs: dict[str, Any] = {}
+        for key, value in d.items():
+            expected = _CONFIG_TYPES.get(key)
+            if expected is None:
+                known = ", ".join(_CONFIG_TYPES)
+                raise ConfigError(f"unknown key {key!r}; known keys: {known}", key=f"database.{key}")
+            if value is None and key == "password":
+                continue
+            if isinstance(value, bool) or not isinstance(value, expected):
+                names = " or ".join(t.__name__ for t in expected)
+                shown = "" if key == "password" else f" {value!r}"  # never echo a secret
+                raise ConfigError(
+                    f"must be {names}, got {type(value).__name__}{shown}", key=f"database.{key}"
+                )
+            kwargs[key] = value
+        if "engine" in kwargs:
+            engine = ENGINE_ALIASES.get(kwargs["engine"])
+            if engine is None:
+                raise ConfigError(
+                    f"unknown engine {kwargs['engine']!r}; use 'sqlite' or 'postgres'",
+                    key="database.engine",
+                )
+            kwargs["engine"] = engine
+        values = {a.name: a.default for a in attrs.fields(cls)} | kwargs
+        if "cp_max" not in kwargs:
+            values["cp_max"] = 1 if values["engine"] == "sqlite" else 5
+        problem = _config_problem(values)
+        if problem is not None:
+            raise ConfigError(problem[1], key=f"database.{problem[0]}")
+        return cls(**kwargs)
+
+
+def _config_problem(v: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The first inconsistency in resolved config values as (key, message), or None."""
+    if v["engine"] not in ("sqlite", "postgres"):
+        return "engine", f"unknown engine {v['engine']!r}; use 'sqlite' or 'postgres'"
+    if v["cp_min"] < 1:
+        return "cp_min", f"must be at least 1, got {v['cp_min']}"
+    if v["cp_max"] < v["cp_min"]:
+        return "cp_max", f"must be at least cp_min ({v['cp_min']}), got {v['cp_max']}"
+    if not 0 < v["port"] < 65536:
+        return "port", f"must be a TCP port number, got {v['port']}"
+    if v["connect_timeout_s"] <= 0:
+        return "connect_timeout_s", f"must be positive, got {v['connect_timeout_s']}"
+    if v["engine"] == "sqlite" and v["path"] in _MEMORY_PATHS and v["cp_max"] > 1:
+        return "path", (
+            f"an in-memory SQLite database ({v['path']!r}) gives each of the "
+            f"{v['cp_max']} pool threads its own empty database; use a file path, "
+            "or set cp_max: 1"
+        )
+    return None
+
+
+_CONFIG_TYPES: Mapping[str, tuple[type, ...]] = {
+    "engine": (str,), "path": (str,), "host": (str,), "port": (int,), "user": (str,),
+    "password": (str,), "dbname": (str,), "cp_min": (int,), "cp_max": (int,),
+    "connect_timeout_s": (int, float),
+}
+
+
+# ------------------------------------------------------------------ SQL text
+
+_SQLITE_START = re.compile(r"""'|"|`|--|/\*""")
+_PG_START = re.compile(r"""'|"|--|/\*|\$(?:[A-Za-z_][A-Za-z0-9_]*)?\$""")
+
+
+def _is_word_char(ch: str) -> bool:
+    return ch.isalnum() or ch in "_$"
+
+
+def _literal_end(sql: str, start: int, token: str, postgres: bool) -> int:
+    """Where the literal or comment opened by ``token`` at ``start`` ends (exclusive)."""
+    if token == "--":
+        end = sql.find("\n", start)
+        return len(sql) if end < 0 else end
+    if token == "/*":
+        end = sql.find("*/", start + 2)
+        return len(sql) if end < 0 else end + 2
+    if token.startswith("$"):
+        end = sql.find(token, start + len(token))
+        return len(sql) if end < 0 else end + len(token)
+    # A PostgreSQL E'...' string honours backslash escapes; others only doubling,
+    # which scanning handles as two adjacent literals.
+    backslash = (
+        postgres and token == "'" and start > 0 and sql[start - 1] in "eE"
+        and (start < 2 or not _is_word_char(sql[start - 2]))
+    )
+    i = start + 1
+    while i < len(sql):
+        if backslash and sql[i] == "\\":
+            i += 2
+            continue
+        if sql[i] == token:
+            return i + 1
+        i += 1
+    return len(sql)
+
+
+def scan_sql(sql: str, engine: str) -> list[tuple[bool, str]]:
+    """Split SQL text into code and non-code pieces.
+
+    Non-code pieces are string literals, quoted identifiers and comments;
+    PostgreSQL's ``E'...'`` strings and ``$tag$...$tag$`` dollar quoting are
+    understood when ``engine`` is ``"postgres"``. An unterminated literal runs
+    to the end of the text. Joining the pieces gives back ``sql``.
+
+    Args:
+        sql: the SQL text.
+        engine: ``"sqlite"`` or ``"postgres"`` (the dialect's quoting rules).
+
+    Returns:
+        ``(is_code, text)`` pairs in order.
+    """
+    postgres = engine == "postgres"
+    start_re = _PG_START if postgres else _SQLITE_START
+    pieces: list[tuple[bool, str]] = []
+    pos = code_from = 0
+    while True:
+        m = start_re.search(sql, pos)
+        if m is None:
+            break
+        start, token = m.start(), m.group()
+        if token.startswith("$") and start > 0 and _is_word_char(sql[start - 1]):
+            pos = start + 1  # a '$' inside an identifier, not a dollar quote
+            continue
+        if start > code_from:
+            pieces.append((True, sql[code_from:start]))
+        end = _literal_end(sql, start, token, postgres)
+        pieces.append((False, sql[start:end]))
+        pos = code_from = end
+    if code_from < len(sql):
+        pieces.append((True, sql[code_from:]))
+    return pieces
+
+
+@functools.lru_cache(maxsize=2048)
+def _to_pyformat(sql: str) -> str:
+    out = []
+    for is_code, text in scan_sql(sql, "postgres"):
+        text = text.replace("%", "%%")  # psycopg2 formats the whole string
+        out.append(text.replace("?", "%s") if is_code else text)
+    return "".join(out)
+
+
+# -------------------------------------------------------------------- engines
+
+
+class Engine(abc.ABC):
+    """What differs between the database engines synflow supports."""
+
+    #: The engine's name as used in config: ``"sqlite"`` or ``"postgres"``.
+    name: ClassVar[EngineName]
+    #: The DB-API module adbapi imports.
+    dbapi_name: ClassVar[str]
+    #: Whether adbapi should replace a connection that failed a rollback.
+    reconnect: ClassVar[bool]
+
+    @abc.abstractmethod
+    def convert_placeholders(self, sql: str) -> str:
+        """Turn SQL written with ``?`` placeholders into the driver's style."""
+
+    @abc.abstractmethod
+    def greatest(self, a: str, b: str) -> str:
+        """An SQL expression for the larger of two SQL expressions."""
+
+    @abc.abstractmethod
+    def is_transient(self, exc: BaseException) -> bool:
+        """Whether running the same interaction again may succeed."""
+
+    @abc.abstractmethod
+    def connect_args(self, config: DatabaseConfig) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Positional and keyword arguments for the DB-API ``connect()``."""
+
+    def on_connect(self, conn: Any) -> None:  # noqa: B027 - optional hook
+        """Prepare a new connection (adbapi's ``cp_openfun``)."""
+
+    def begin_txn(self, cursor: Any) -> None:  # noqa: B027 - optional hook
+        """Start a transaction on a connection that is idle."""
+
+    def set_autocommit(self, conn: Any, on: bool) -> None:  # noqa: B027 - optional hook
+        """Switch a connection in or out of autocommit mode."""
+
+    @abc.abstractmethod
+    def insert_many_txn(
+        self, cursor: Any, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]
+    ) -> None:
+        """Insert ``rows`` into ``table`` in as few statements as is sensible."""
+
+    @abc.abstractmethod
+    def table_exists_txn(self, txn: Txn, table: str) -> bool:
+        """Whether ``table`` exists (in the current schema)."""
+
+    def lock_schema_txn(self, txn: Txn) -> None:  # noqa: B027 - optional hook
+        """Take the cross-process lock that serialises schema migrations."""
+
+
+class SqliteEngine(Engine):
+    """SQLite through :mod:`sqlite3`, in WAL mode, safe for several processes.
+
+    The driver is put in autocommit mode (``isolation_level=None``) and every
+    interaction starts with ``BEGIN IMMEDIATE``, taking the write lock up
+    front. With ``isolation_level="IMMEDIATE"`` the driver would only begin
+    before INSERT/UPDATE/DELETE, so a SELECT-then-INSERT would not be atomic
+    and DDL would commit statement by statement; and a deferred transaction
+    that upgrades to a write after another process committed fails at once
+    with ``SQLITE_BUSY`` instead of waiting.
+    """
+
+    name = "sqlite"
+    dbapi_name = "sqlite3"
+    reconnect = False
+
+    def convert_placeholders(self, sql: str) -> str:
+        return sql
+
+    def greatest(self, a: str, b: str) -> str:
+        return f"MAX({a}, {b})"
+
+    def is_transient(self, exc: BaseException) -> bool:
+        if not isinstance(exc, sqlite3.OperationalError):
+            return False
+        errname = getattr(exc, "sqlite_errorname", "") or ""
+        text = str(exc).lower()
+        return errname.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")) or (
+            "database is locked" in text or "database table is locked" in text or "busy" in text
+        )
+
+    def connect_args(self, config: DatabaseConfig) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return (config.path,), {
+            "check_same_thread": False,
+            "isolation_level": None,
+            "timeout": SQLITE_BUSY_TIMEOUT_S,
+        }
+
+    def on_connect(self, conn: Any) -> None:
+        cur = conn.cursor()
+        cur.execute(f"PRAGMA busy_timeout = {int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
+        cur.execute("PRAGMA journal_mode = WAL")
+        mode = cur.fetchone()[0]
+        if mode.lower() not in ("wal", "memory"):
+            raise StorageError(
+                f"SQLite refused WAL mode (got {mode!r}); put the database on a local "
+                "filesystem, where several processes can share it"
+            )
+        cur.execute("PRAGMA synchronous = NORMAL")
+        cur.execute("PRAGMA foreign_keys = ON")
+        cur.close()
+
+    def begin_txn(self, cursor: Any) -> None:
+        cursor.execute("BEGIN IMMEDIATE")
+
+    def insert_many_txn(
+        self, cursor: Any, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]
+    ) -> None:
+        marks = ", ".join("?" for _ in columns)
+        cursor.executemany(f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({marks})", rows)
+
+    def table_exists_txn(self, txn: Txn, table: str) -> bool:
+        txn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (table,))
+        return txn.fetchone() is not None
+
+
+#: Key of the advisory lock held while a migration runs ("synflow" in ASCII).
+SCHEMA_LOCK_ID = int.from_bytes(b"synflow", "big")
+#: SQLSTATEs that mean the connection or server went away, or a retry may succeed.
+_PG_TRANSIENT_CODES = ("57P01", "57P02", "57P03", "53300")
+
+
+class PostgresEngine(Engine):
+    """PostgreSQL through :mod:`psycopg2`."""
+
+    name = "postgres"
+    dbapi_name = "psycopg2"
+    reconnect = True
+
+    def convert_placeholders(self, sql: str) -> str:
+        return _to_pyformat(sql)
+
+    def greatest(self, a: str, b: str) -> str:
+        return f"GREATEST({a}, {b})"
+
+    def is_transient(self, exc: BaseException) -> bool:
+        import psycopg2
+
+        if isinstance(exc, psycopg2.InterfaceError):
+            return True  # "connection already closed"
+        if isinstance(exc, psycopg2.OperationalError):
+            code = exc.pgcode
+            # A lost connection has no SQLSTATE; class 08 is connection
+            # exceptions, class 40 serialization failures and deadlocks.
+            return code is None or code[:2] in ("08", "40") or code in _PG_TRANSIENT_CODES
+        return False
+
+    def connect_args(self, config: DatabaseConfig) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        kwargs: dict[str, Any] = {
+            "host": config.host, "port": config.port, "user": config.user,
+            "dbname": config.dbname, "application_name": "synflow",
+            # libpq takes whole seconds and treats anything below 2 as 2.
+            "connect_timeout": max(2, int(round(config.connect_timeout_s))),
+        }
+        if config.password is not None:
+            kwargs["password"] = config.password
+        return (), kwargs
+
+    def set_autocommit(self, conn: Any, on: bool) -> None:
+        conn.set_session(autocommit=on)
+
+    def insert_many_txn(
+        self, cursor: Any, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]
+    ) -> None:
+        from psycopg2.extras import execute_values
+
+        sql = f"INSERT INTO {table} ({', '.join(columns)}) VALUES %s"
+        execute_values(cursor, sql, rows, page_size=INSERT_PAGE_SIZE)
+
+    def table_exists_txn(self, txn: Txn, table: str) -> bool:
+        txn.execute(
+            "SELECT 1 FROM information_schema.tables"
+            " WHERE table_schema = current_schema() AND table_name = ?",
+            (table,),
+        )
+        return txn.fetchone() is not None
+
+    def lock_schema_txn(self, txn: Txn) -> None:
+        txn.execute("SELECT pg_advisory_xact_lock(?)", (SCHEMA_LOCK_ID,))
+
+
+_ENGINES: Mapping[str, Engine] = {"sqlite": SqliteEngine(), "postgres": PostgresEngine()}
+
+
+def get_engine(name: str) -> Engine:
+    """The engine called ``name`` (``"sqlite"`` or ``"postgres"``).
+
+    Raises:
+        StorageError: for any other name.
+    """
+    try:
+        return _ENGINES[name]
+    except KeyError:
+        raise StorageError(f"unknown database engine {name!r}; use 'sqlite' or 'postgres'") from None
+
+
+# ------------------------------------------------------------------------ Txn
+
+Callback = Callable[..., object]
+
+
+class Txn:
+    """The handle a ``_txn`` function gets: a cursor that speaks ``?`` SQL.
+
+    Attributes:
+        engine: the :class:`Engine`, for dialect snippets like :meth:`Engine.greatest`.
+        desc: the description the interaction was started with.
+    """
+
+    def __init__(self, cursor: Any, engine: Engine, desc: str):
+        self._cursor = cursor
+        self.engine = engine
+        self.desc = desc
+        self._after: list[tuple[Callback, tuple[Any, ...]]] = []
+        self._on_exception: list[tuple[Callback, tuple[Any, ...]]] = []
+
+    def execute(self, sql: str, args: Sequence[Any] = ()) -> None:
+        """Run one statement written with ``?`` placeholders."""
+        self._cursor.execute(self.engine.convert_placeholders(sql), tuple(args))
+
+    def execute_raw(self, sql: str) -> None:
+        """Run one statement exactly as written, without parameters (DDL, migrations)."""
+        self._cursor.execute(sql)
+
+    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
+        """Run one ``?`` statement once per row of parameters."""
+        self._cursor.executemany(self.engine.convert_placeholders(sql), [tuple(r) for r in rows])
+
+    def insert_many(self, table: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+        """Insert many rows with few statements (multi-row VALUES on PostgreSQL).
+
+        Args:
+            table: the table name (a plain, optionally schema-qualified, identifier).
+            columns: the column names, in the order of each row's values.
+            rows: the rows; ``rowcount`` afterwards is not their total.
+
+        Raises:
+            ValueError: if a name is not a plain identifier or a row has the
+                wrong number of values.
+        """
+        for ident in (table, *columns):
+            if not _IDENTIFIER.match(ident):
+                raise ValueError(f"not a plain SQL identifier: {ident!r}")
+        batch = [tuple(r) for r in rows]
+        for row in batch:
+            if len(row) != len(columns):
+                raise ValueError(f"row {row!r} has {len(row)} values for {len(columns)} columns")
+        if batch:
+            self.engine.insert_many_txn(self._cursor, table, columns, batch)
+
+    def fetchone(self) -> tuple[Any, ...] | None:
+        """The next result row, or None."""
+        row = self._cursor.fetchone()
+        return None if row is None else tuple(row)
+
+    def fetchall(self) -> list[tuple[Any, ...]]:
+        """All remaining result rows."""
+        return [tuple(r) for r in self._cursor.fetchall()]
+
+    @property
+    def rowcount(self) -> int:
+        """Rows affected by the last statement (driver semantics)."""
+        return int(self._cursor.rowcount)
+
+    def call_after(self, cb: Callback, *args: Any) -> None:
+        """Call ``cb(*args)`` on the reactor thread once this transaction has committed."""
+        self._after.append((cb, args))
+
+    def call_on_exception(self, cb: Callback, *args: Any) -> None:
+        """Call ``cb(*args)`` on the reactor thread if this transaction rolls back."""
+        self._on_exception.append((cb, args))
+
+    def _fire(self, committed: bool) -> None:
+        """Run the callbacks for the outcome; a failing callback is logged, not raised."""
+        for cb, args in self._after if committed else self._on_exception:
+            try:
+                cb(*args)
+            except Exception:
+                log.failure("Callback {cb!r} of database interaction {desc} failed",
+                            cb=cb, desc=self.desc)
+
+
+# ------------------------------------------------------------------- Database
+
+
+class Database:
+    """A connection pool with transactions, callbacks, retries and statistics.
+
+    Args:
+        reactor: an ``IReactorCore``/``IReactorThreads`` provider for the pool.
+        config: what to connect to.
+        clock: schedules retry backoff; defaults to ``reactor``.
+
+    Raises:
+        StorageError: if the SQLite file's directory does not exist.
+    """
+
+    def __init__(self, reactor: IReactorCore, config: DatabaseConfig, *,
+                 clock: IReactorTime | None = None):
+        self.config = config
+        self._reactor = reactor
+        self.engine = get_engine(config.engine)
+        self.clock: IReactorTime = clock if clock is not None else cast(IReactorTime, reactor)
+        if self.engine.name == "sqlite" and config.path not in _MEMORY_PATHS:
+            parent = os.path.dirname(os.path.abspath(config.path))
+            if not os.path.isdir(parent):
+                raise StorageError(
+                    f"database.path {config.path!r}: directory {parent!r} does not exist"
+                )
+        args, kwargs = self.engine.connect_args(config)
+        self._pool = adbapi.ConnectionPool(
+            self.engine.dbapi_name, *args, cp_reactor=reactor, cp_min=config.cp_min,
+            cp_max=config.cp_max, cp_reconnect=self.engine.reconnect,
+            cp_openfun=self.engine.on_connect, cp_noisy=False, **kwargs,
+        )
+        self._stats: dict[str, list[float]] = {}
+        self._in_flight = 0
+        self._idle_waiters: list[Deferred[None]] = []
+        self._sleeps: set[Deferred[None]] = set()
+        self._closed = False
+
+    def start(self) -> None:
+        """Start the pool's threads now (only needed before the reactor runs)."""
+        self._pool.start()
+
+    def run_interaction(self, desc: str, func: Callable[..., Any], *args: Any,
+                        idempotent: bool = False, **kwargs: Any) -> Deferred[Any]:
+        """Run ``func(txn, *args, **kwargs)`` in one transaction on a pool thread.
+
+        The transaction commits when ``func`` returns and rolls back when it
+        raises; then the :meth:`Txn.call_after` or :meth:`Txn.call_on_exception`
+        callbacks run on the reactor thread, and the Deferred fires.
+
+        Args:
+            desc: a short name of the interaction, for logs and :meth:`stats`.
+            func: a synchronous ``_txn`` function.
+            idempotent: when True, a transient error (lost connection, lock
+                timeout, serialization failure) rolls back and reruns ``func``
+                up to :data:`MAX_RETRIES` times, after an exponential backoff
+                on ``clock``. Each rolled-back attempt fires its own exception
+                callbacks.
+
+        Returns:
+            A Deferred firing with ``func``'s result, or failing with its
+            exception (the driver's own, for database errors).
+        """
+        def attempt(box: list[Txn]) -> Deferred[Any]:
+            return self._pool.runInteraction(self._interaction_txn, box, desc, func, args, kwargs)
+
+        return Deferred.fromCoroutine(self._run(desc, attempt, idempotent))
+
+    def run_autocommit(self, desc: str, func: Callable[..., Any], *args: Any,
+                       idempotent: bool = False, **kwargs: Any) -> Deferred[Any]:
+        """Like :meth:`run_interaction`, but each statement commits on its own.
+
+        For statements that must not run inside a transaction, or whose effect
+        must be visible at once whatever follows (PostgreSQL ``nextval`` ahead
+        of a writing transaction, ``VACUUM``, ``CREATE DATABASE``). Nothing is
+        rolled back when ``func`` raises; the exception callbacks still run.
+        """
+        def attempt(box: list[Txn]) -> Deferred[Any]:
+            return self._pool.runWithConnection(self._autocommit_txn, box, desc, func, args, kwargs)
+
+        return Deferred.fromCoroutine(self._run(desc, attempt, idempotent))
+
+    def stats(self) -> dict[str, tuple[int, float]]:
+        """Calls and total wall-clock seconds (including retries) per ``desc``."""
+        return {desc: (int(v[0]), v[1]) for desc, v in self._stats.items()}
+
+    def close(self) -> Deferred[None]:
+        """Refuse new work, wait for in-flight interactions, then stop the pool.
+
+        Interactions waiting to retry fail with their last error.
+        """
+        if self._closed:
+            return succeed(None)
+        self._closed = True
+        for sleep in list(self._sleeps):
+            sleep.cancel()
+        done: Deferred[None] = Deferred()
+        if self._in_flight:
+            self._idle_waiters.append(done)
+        else:
+            done.callback(None)
+
+        def stop(_: None) -> None:
+            self._pool.close()
+
+        return done.addCallback(stop)
+
+    # -- on a pool thread
+
+    def _interaction_txn(self, cursor: Any, box: list[Txn], desc: str, func: Callable[..., Any],
+                         args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        txn = Txn(cursor, self.engine, desc)
+        box.append(txn)
+        self.engine.begin_txn(cursor)
+        return _check_sync(func, func(txn, *args, **kwargs))
+
+    def _autocommit_txn(self, conn: Any, box: list[Txn], desc: str, func: Callable[..., Any],
+                        args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        cursor = conn.cursor()
+        txn = Txn(cursor, self.engine, desc)
+        box.append(txn)
+        self.engine.set_autocommit(conn, True)
+        try:
+            return _check_sync(func, func(txn, *args, **kwargs))
+        finally:
+            try:
+                self.engine.set_autocommit(conn, False)
+                cursor.close()
+            except Exception:  # the connection is gone; adbapi's rollback replaces it
+                pass
+
+    # -- on the reactor thread
+
+    async def _run(self, desc: str, attempt: Callable[[list[Txn]], Deferred[Any]],
+                   idempotent: bool) -> Any:
+        if self._closed:
+            raise StorageError(f"database interaction {desc}: the database pool is closed")
+        self._in_flight += 1
+        started = time.perf_counter()
+        try:
+            for n in range(MAX_RETRIES + 1):
+                box: list[Txn] = []
+                try:
+                    result = await attempt(box)
+                except Exception as exc:
+                    # The Txn is missing only if no connection could be had.
+                    if box:
+                        box[0]._fire(committed=False)
+                    if not (idempotent and n < MAX_RETRIES and self.is_transient(exc)):
+                        raise
+                    await self._backoff(desc, n, exc)
+                    continue
+                box[0]._fire(committed=True)
+                return result
+        finally:
+            entry = self._stats.setdefault(desc, [0, 0.0])
+            entry[0] += 1
+            entry[1] += time.perf_counter() - started
+            self._in_flight -= 1
+            if not self._in_flight and self._idle_waiters:
+                # On the next reactor turn, so the caller sees its result first.
+                cast(IReactorTime, self._reactor).callLater(0, self._wake_idle_waiters)
+
+    def _wake_idle_waiters(self) -> None:
+        if not self._in_flight:
+            waiters, self._idle_waiters = self._idle_waiters, []
+            for w in waiters:
+                w.callback(None)
+
+    async def _backoff(self, desc: str, n: int, exc: BaseException) -> None:
+        delay = RETRY_BACKOFF_S * 2**n
+        log.warn(
+            "Transient database error in {desc} (attempt {attempt} of {attempts}); "
+            "retrying in {delay:.2f}s: {error}",
+            desc=desc, attempt=n + 1, attempts=MAX_RETRIES + 1, delay=delay,
+            error=f"{type(exc).__name__}: {str(exc).strip()}",
+        )
+        sleep: Deferred[None] = deferLater(self.clock, delay, lambda: None)
+        self._sleeps.add(sleep)
+        try:
+            await sleep
+        except BaseException:
+            raise exc from None  # cancelled by close(): surface the real error
+        finally:
+            self._sleeps.discard(sleep)
+        if self._closed:
+            raise exc
+
+    def is_transient(self, exc: BaseException) -> bool:
+        """Whether an interaction that failed with ``exc`` may succeed if rerun."""
+        return isinstance(exc, adbapi.ConnectionLost) or self.engine.is_transient(exc)
+
+
+def _check_sync(func: Callable[..., Any], result: Any) -> Any:
+    if isinstance(result, Deferred) or hasattr(result, "__await__"):
+        raise TypeError(f"{func!r} returned {result!r}; _txn functions must be synchronous")
+    return result
+
+
+def create_database(reactor: IReactorCore, config: DatabaseConfig) -> Database:
+    """A :class:`Database` for ``config`` whose pool starts with the reactor."""
+    return Database(reactor, config)

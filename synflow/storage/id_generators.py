@@ -1,0 +1,367 @@
+"""Multi-writer stream IDs: the SQL around the pure :class:`PositionTracker`.
+
+IDs come from one sequence per stream shared by every writer: a PostgreSQL
+sequence (``nextval``, several at once), or on SQLite a row of
+``stream_sequences`` bumped inside the writing transaction (which holds
+SQLite's write lock, so writers never race). A write goes through
+:meth:`StreamWriters.run_write`: the ``_txn`` function allocates IDs through
+its :class:`StreamWriteContext` and writes its rows; when the transaction
+commits -- or rolls back -- every ID is completed in the tracker, which
+returns the facts that became visible, in order, for the handler to
+announce. No SQL runs per fact beyond the write itself.
+
+On SQLite a rolled-back write must not give its IDs back (another writer
+would reuse them, and the tracker has already let its position pass them):
+the rows are written inside a SAVEPOINT, and on failure only the savepoint is
+rolled back and the sequence re-bumped before the transaction commits.
+
+Per-writer positions are persisted lazily to ``stream_positions`` (only ever
+forward) by :meth:`MultiWriterIdGenerator.persist_position`, called on a
+timer and at shutdown. At start-up :func:`load_stream_state` reads them,
+checks them against the sequence and the table, repairs what is safe
+(bumping a sequence that is behind rows or positions) and otherwise refuses to
+start with an explanation.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+import attrs
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorTime
+
+from synflow.audit import AuditLog, now_us
+from synflow.errors import InconsistentPositionsError
+from synflow.storage.engines import Database, Txn
+from synflow.streams import StreamDef
+from synflow.streams.tracker import Completed, PositionTracker
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@attrs.frozen
+class FactPayload:
+    """What a writer remembers about one fact until it is announced."""
+
+    rows: tuple[Any, ...]
+    reserved_at: int
+    room_id: str | None = None
+    event_id: str | None = None
+
+
+# -- start-up state ---------------------------------------------------------------------
+
+
+@attrs.frozen
+class StreamState:
+    """What the database says about one stream at start-up."""
+
+    last_allocated: int
+    positions: dict[str, int]
+    own_max_row: int | None
+    repairs: tuple[str, ...] = ()
+
+
+def last_allocated_txn(txn: Txn, stream: StreamDef) -> int:
+    """The highest ID the stream's sequence has handed out."""
+    if txn.engine.name == "postgres":
+        txn.execute(f"SELECT last_value, is_called FROM {stream.sequence}")
+        row = txn.fetchone()
+        assert row is not None
+        last, called = row
+        return int(last) if called else int(last) - 1
+    txn.execute("SELECT last_id FROM stream_sequences WHERE stream_name = ?", (stream.name,))
+    row = txn.fetchone()
+    if row is None:
+        raise InconsistentPositionsError(
+            f"stream {stream.name!r} has no row in stream_sequences; the schema is incomplete. "
+            f"Re-run the master's migrations, or insert it with "
+            f"INSERT INTO stream_sequences VALUES ('{stream.name}', <max {stream.id_column} of {stream.table}>)"
+        )
+    return int(row[0])
+
+
+def bump_sequence_txn(txn: Txn, stream: StreamDef, at_least: int) -> None:
+    """Make the sequence's next ID greater than ``at_least``."""
+    if txn.engine.name == "postgres":
+        txn.execute(f"SELECT setval('{stream.sequence}', GREATEST(?, (SELECT last_value FROM {stream.sequence})))", (at_least,))
+    else:
+        txn.execute(
+            "UPDATE stream_sequences SET last_id = MAX(last_id, ?) WHERE stream_name = ?",
+            (at_least, stream.name),
+        )
+
+
+def load_stream_state_txn(txn: Txn, stream: StreamDef, instance_name: str, repair: bool) -> StreamState:
+    """Read positions and check them against the sequence and the table.
+
+    Raises:
+        InconsistentPositionsError: something is inconsistent and ``repair``
+            is off (or the sequence is missing).
+    """
+    last = last_allocated_txn(txn, stream)
+    txn.execute(f"SELECT MAX({stream.id_column}) FROM {stream.table}")
+    max_row = (txn.fetchone() or (None,))[0]
+    txn.execute("SELECT instance_name, stream_id FROM stream_positions WHERE stream_name = ?", (stream.name,))
+    positions = {name: int(pos) for name, pos in txn.fetchall()}
+    txn.execute(
+        f"SELECT MAX({stream.id_column}) FROM {stream.table} WHERE {stream.instance_column} = ?",
+        (instance_name,),
+    )
+    own_max = (txn.fetchone() or (None,))[0]
+    problems = []
+    if max_row is not None and max_row > last:
+        problems.append(
+            f"the {stream.table} table holds stream ID {max_row} but the sequence has only handed out "
+            f"up to {last} (a restored backup, or a sequence reset)"
+        )
+    top_position = max(positions.values(), default=None)
+    if top_position is not None and top_position > last:
+        holder = max(positions, key=lambda n: positions[n])
+        problems.append(
+            f"stream_positions says {holder!r} reached {top_position} but the sequence has only "
+            f"handed out up to {last}"
+        )
+    if problems and not repair:
+        raise InconsistentPositionsError(
+            f"stream {stream.name!r} is inconsistent: {'; '.join(problems)}. synflow can repair this by "
+            f"moving the sequence past every used ID (safe: no ID is reused and no reader position moves "
+            f"back); set database.repair_positions: true to let it, or fix the sequence by hand "
+            f"(PostgreSQL: SELECT setval('{stream.sequence}', <highest used ID>))."
+        )
+    if problems:
+        target = max(v for v in (max_row, top_position, last) if v is not None)
+        bump_sequence_txn(txn, stream, target)
+        for problem in problems:
+            logger.warning("repaired stream %r: %s; the sequence now continues after %d", stream.name, problem, target)
+        last = target
+    return StreamState(last, positions, own_max, tuple(problems))
+
+
+def persist_position_txn(txn: Txn, stream: str, instance_name: str, position: int) -> None:
+    """Upsert a writer's position, only ever moving it forward."""
+    greatest = txn.engine.greatest("stream_positions.stream_id", "excluded.stream_id")
+    txn.execute(
+        "INSERT INTO stream_positions (stream_name, instance_name, stream_id) VALUES (?, ?, ?) "
+        f"ON CONFLICT (stream_name, instance_name) DO UPDATE SET stream_id = {greatest}",
+        (stream, instance_name, position),
+    )
+
+
+# -- the generator ------------------------------------------------------------------------
+
+
+class MultiWriterIdGenerator:
+    """Allocates and tracks this instance's IDs on one stream.
+
+    Args:
+        stream: the stream definition.
+        instance_name: this writer.
+        position: the writer's position at start-up.
+        clock: timestamps for the audit log.
+        audit: where completed facts are recorded (optional).
+    """
+
+    def __init__(
+        self,
+        stream: StreamDef,
+        instance_name: str,
+        position: int,
+        clock: IReactorTime,
+        audit: AuditLog | None = None,
+    ) -> None:
+        self.stream = stream
+        self.instance_name = instance_name
+        self.clock = clock
+        self.audit = audit
+        self.tracker: PositionTracker[FactPayload] = PositionTracker(position)
+        self.persisted_position = position
+        self._alloc_lock = threading.Lock()
+        self._listeners: list[Callable[[list[Completed[FactPayload]], int], None]] = []
+        self.facts_completed = 0
+        self.facts_aborted = 0
+
+    @property
+    def position(self) -> int:
+        return self.tracker.position
+
+    def add_listener(self, fn: Callable[[list[Completed[FactPayload]], int], None]) -> None:
+        """Call ``fn(visible_facts, new_position)`` whenever facts become visible."""
+        self._listeners.append(fn)
+
+    # -- on a database thread -------------------------------------------------------------
+
+    def allocate_txn(self, txn: Txn, n: int) -> tuple[list[int], int]:
+        """Take ``n`` IDs from the stream's sequence; returns them and the time."""
+        if n < 1:
+            raise ValueError("allocate at least one ID")
+        with self._alloc_lock:
+            if txn.engine.name == "postgres":
+                txn.execute(f"SELECT nextval('{self.stream.sequence}') FROM generate_series(1, ?)", (n,))
+                ids = sorted(int(r[0]) for r in txn.fetchall())
+            else:
+                txn.execute(
+                    "UPDATE stream_sequences SET last_id = last_id + ? WHERE stream_name = ? RETURNING last_id",
+                    (n, self.stream.name),
+                )
+                row = txn.fetchone()
+                assert row is not None, f"no stream_sequences row for {self.stream.name}"
+                last = int(row[0])
+                ids = list(range(last - n + 1, last + 1))
+            reserved_at = now_us(self.clock)
+        return ids, reserved_at
+
+    # -- on the reactor thread ---------------------------------------------------------------
+
+    def observe_position(self, position: int) -> None:
+        """Another writer reached ``position``: that ID has been allocated."""
+        self.tracker.observe_allocated(position)
+
+    def idle_advance(self) -> int | None:
+        """Leap an idle writer's position; tells listeners. Returns the new position."""
+        if not self.stream.idle_leaps:
+            return None
+        new = self.tracker.idle_advance()
+        if new is not None:
+            self._notify([], new)
+        return new
+
+    def finish(self, handle: int, ids: Sequence[int], payloads: dict[int, FactPayload], ok: bool) -> None:
+        """The transaction that reserved ``ids`` committed (``ok``) or rolled back."""
+        completed_at = now_us(self.clock)
+        visible = self.tracker.end_fetch(handle, list(ids))
+        for stream_id in ids:
+            payload = payloads.get(stream_id)
+            if self.audit is not None and payload is not None:
+                self.audit.fact(
+                    self.stream.name, stream_id, room_id=payload.room_id, event_id=payload.event_id,
+                    reserved_at=payload.reserved_at, completed_at=completed_at, ok=ok,
+                )
+            visible += self.tracker.complete(stream_id, ok, payload if ok else None)
+        if ok:
+            self.facts_completed += len(ids)
+        else:
+            self.facts_aborted += len(ids)
+        if visible:
+            self._notify(visible, self.tracker.position)
+
+    def _notify(self, visible: list[Completed[FactPayload]], position: int) -> None:
+        for fn in self._listeners:
+            try:
+                fn(visible, position)
+            except Exception:
+                logger.exception("stream %s listener failed", self.stream.name)
+
+    def persist_position_txn(self, txn: Txn, position: int) -> None:
+        persist_position_txn(txn, self.stream.name, self.instance_name, position)
+
+
+class StreamWriteContext:
+    """What a writing ``_txn`` function uses to take IDs and register rows.
+
+    Created on the reactor thread, filled on the database thread, read back on
+    the reactor thread once the transaction is over.
+    """
+
+    def __init__(self, txn: Txn | None, generators: dict[str, MultiWriterIdGenerator]) -> None:
+        self.txn: Txn = txn  # type: ignore[assignment]
+        self._generators = generators
+        self.allocated: dict[str, list[int]] = {}
+        self.payloads: dict[str, dict[int, FactPayload]] = {}
+        self._reserved_at: dict[str, int] = {}
+
+    def allocate(self, stream: str, n: int = 1) -> list[int]:
+        """Take ``n`` stream IDs for this transaction."""
+        gen = self._generators.get(stream)
+        if gen is None:
+            raise ValueError(f"this write did not declare stream {stream!r}")
+        ids, reserved_at = gen.allocate_txn(self.txn, n)
+        self.allocated.setdefault(stream, []).extend(ids)
+        for stream_id in ids:
+            self.payloads.setdefault(stream, {})[stream_id] = FactPayload((), reserved_at)
+        return ids
+
+    def add_rows(
+        self, stream: str, stream_id: int, rows: Iterable[Any], *, room_id: str | None = None,
+        event_id: str | None = None,
+    ) -> None:
+        """The rows (sharing ``stream_id``) to announce once the fact is visible."""
+        payload = self.payloads[stream][stream_id]
+        self.payloads[stream][stream_id] = attrs.evolve(
+            payload, rows=payload.rows + tuple(rows), room_id=room_id, event_id=event_id
+        )
+
+
+@attrs.frozen
+class _RolledBack:
+    error: BaseException
+
+
+class StreamWriters:
+    """All streams this process writes, and the one way to write them.
+
+    Args:
+        db: the database.
+        generators: this process's generators, by stream name.
+    """
+
+    def __init__(self, db: Database, generators: dict[str, MultiWriterIdGenerator]) -> None:
+        self.db = db
+        self.generators = generators
+
+    def run_write(
+        self, desc: str, streams: Sequence[str], func: Callable[..., T], *args: Any
+    ) -> Deferred[T]:
+        """Run ``func(ctx, *args)`` in one transaction that may allocate IDs of ``streams``.
+
+        Every ID allocated completes when the transaction is over: as a
+        committed fact if it committed, as an aborted one if it rolled back
+        (the error is then re-raised to the caller).
+        """
+        gens = {s: self.generators[s] for s in streams}
+        handles = {s: g.tracker.begin_fetch() for s, g in gens.items()}
+        ctx = StreamWriteContext(None, gens)
+        sqlite = self.db.engine.name == "sqlite"
+
+        def write_txn(txn: Txn) -> Any:
+            ctx.txn = txn
+            if not sqlite:
+                return func(ctx, *args)
+            txn.execute("SAVEPOINT stream_write")
+            try:
+                result = func(ctx, *args)
+            except Exception as e:
+                txn.execute("ROLLBACK TO SAVEPOINT stream_write")
+                for stream, ids in ctx.allocated.items():
+                    bump_sequence_txn(txn, gens[stream].stream, max(ids))
+                txn.execute("RELEASE SAVEPOINT stream_write")
+                return _RolledBack(e)
+            txn.execute("RELEASE SAVEPOINT stream_write")
+            return result
+
+        def done(result: Any) -> Any:
+            ok = not isinstance(result, _RolledBack)
+            self._finish(gens, handles, ctx, ok)
+            if not ok:
+                raise result.error
+            return result
+
+        def failed(failure: Any) -> Any:
+            self._finish(gens, handles, ctx, False)
+            return failure
+
+        d = self.db.run_interaction(desc, write_txn)
+        d.addCallbacks(done, failed)
+        return d
+
+    @staticmethod
+    def _finish(gens: dict[str, MultiWriterIdGenerator], handles: dict[str, int],
+                ctx: StreamWriteContext, ok: bool) -> None:
+        for stream, gen in gens.items():
+            gen.finish(handles[stream], ctx.allocated.get(stream, []), ctx.payloads.get(stream, {}), ok)

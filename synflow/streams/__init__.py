@@ -1,0 +1,226 @@
+"""Stream definitions and their row types.
+
+A stream is an append-only log of facts, each with a stream ID, written by
+one or more writers. Each stream here names its row type (a frozen attrs
+class with ``to_wire``/``from_wire``: the RDATA row is a JSON array), the
+table that backs it (so readers can fetch missed rows of one writer from the
+database, in pages) and who may write it:
+
+=============  =======================================  =====================
+stream         writers                                  row (JSON array)
+=============  =======================================  =====================
+``events``     ``stream_writers.events`` (by room)      event_id, room_id, type, state_key, sender, membership
+``caches``     any process                              cache_name, keys or null, invalidation_ts
+``federation`` the master                               destination, edu_type, content
+=============  =======================================  =====================
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, Final, Protocol, TypeAlias
+
+import attrs
+
+from synflow.errors import RemoteProtocolError
+
+
+class StreamRowError(RemoteProtocolError):
+    """An RDATA row does not have its stream's shape."""
+
+
+def _need(row: Sequence[Any], n: int, stream: str) -> None:
+    if not isinstance(row, list) or len(row) != n:
+        raise StreamRowError(f"{stream} row must be a JSON array of {n} items, got {str(row)[:100]}")
+
+
+def _str(value: Any, what: str, *, optional: bool = False) -> Any:
+    if value is None and optional:
+        return None
+    if not isinstance(value, str):
+        raise StreamRowError(f"{what} must be a string, got {value!r}")
+    return value
+
+
+@attrs.frozen
+class EventsRow:
+    """One persisted event.
+
+    Wire: ``[event_id, room_id, type, state_key, sender, membership]``
+    (state_key and membership may be null).
+    """
+
+    STREAM: ClassVar[str] = "events"
+    event_id: str
+    room_id: str
+    type: str
+    state_key: str | None
+    sender: str
+    membership: str | None
+
+    def to_wire(self) -> list[Any]:
+        return [self.event_id, self.room_id, self.type, self.state_key, self.sender, self.membership]
+
+    @classmethod
+    def from_wire(cls, row: list[Any]) -> EventsRow:
+        _need(row, 6, "events")
+        return cls(
+            _str(row[0], "event_id"), _str(row[1], "room_id"), _str(row[2], "type"),
+            _str(row[3], "state_key", optional=True), _str(row[4], "sender"),
+            _str(row[5], "membership", optional=True),
+        )
+
+    @property
+    def is_membership(self) -> bool:
+        return self.type == "m.room.member" and self.state_key is not None
+
+
+@attrs.frozen
+class CachesRow:
+    """One cache invalidation: ``keys`` is the key tuple, or None for the whole cache.
+
+    Wire: ``[cache_name, keys_or_null, invalidation_ts]``.
+    """
+
+    STREAM: ClassVar[str] = "caches"
+    cache_name: str
+    keys: tuple[Any, ...] | None
+    invalidation_ts: int
+
+    def to_wire(self) -> list[Any]:
+        return [self.cache_name, None if self.keys is None else list(self.keys), self.invalidation_ts]
+
+    @classmethod
+    def from_wire(cls, row: list[Any]) -> CachesRow:
+        _need(row, 3, "caches")
+        keys = row[1]
+        if keys is not None and not isinstance(keys, list):
+            raise StreamRowError(f"caches keys must be a list or null, got {keys!r}")
+        ts = row[2]
+        if isinstance(ts, bool) or not isinstance(ts, int):
+            raise StreamRowError(f"caches invalidation_ts must be an integer, got {ts!r}")
+        return cls(_str(row[0], "cache_name"), None if keys is None else tuple(keys), ts)
+
+
+@attrs.frozen
+class FederationRow:
+    """One EDU queued by the master for a destination.
+
+    Wire: ``[destination, edu_type, content]``.
+    """
+
+    STREAM: ClassVar[str] = "federation"
+    destination: str
+    edu_type: str
+    content: dict[str, Any]
+
+    def to_wire(self) -> list[Any]:
+        return [self.destination, self.edu_type, self.content]
+
+    @classmethod
+    def from_wire(cls, row: list[Any]) -> FederationRow:
+        _need(row, 3, "federation")
+        if not isinstance(row[2], dict):
+            raise StreamRowError(f"federation content must be an object, got {row[2]!r}")
+        return cls(_str(row[0], "destination"), _str(row[1], "edu_type"), row[2])
+
+
+Row: TypeAlias = EventsRow | CachesRow | FederationRow
+
+
+class RowType(Protocol):
+    STREAM: ClassVar[str]
+
+    @classmethod
+    def from_wire(cls, row: list[Any]) -> Any: ...
+
+
+class Writers(enum.Enum):
+    """Who may write a stream."""
+
+    CONFIGURED = "configured"  # the instances in stream_writers.<stream>
+    ANY = "any"  # every process
+    MASTER = "master"  # the master only
+
+
+@attrs.frozen
+class StreamDef:
+    """How one stream is stored and replicated.
+
+    Attributes:
+        name: the stream name on the wire.
+        row_type: the row class.
+        table: the backing table; ``id_column`` holds stream IDs and
+            ``instance_column`` the writer's instance name.
+        select: the columns (after the ID) that rebuild a row, in order.
+        row_from_db: builds a row from those columns.
+        sequence: the PostgreSQL sequence handing out IDs.
+        writers: who may write it.
+        idle_leaps: whether an idle writer advances its position to the highest
+            ID allocated by anyone (events: yes, so the minimum never stalls;
+            caches: no, its readers do not use a minimum).
+    """
+
+    name: str
+    row_type: type
+    table: str
+    id_column: str
+    instance_column: str
+    select: tuple[str, ...]
+    row_from_db: Callable[[tuple[Any, ...]], Any]
+    sequence: str
+    writers: Writers
+    idle_leaps: bool = True
+
+
+def _caches_from_db(cols: tuple[Any, ...]) -> CachesRow:
+    name, keys, ts = cols
+    return CachesRow(name, None if keys is None else tuple(json.loads(keys)), int(ts))
+
+
+def _federation_from_db(cols: tuple[Any, ...]) -> FederationRow:
+    destination, edu_type, content = cols
+    return FederationRow(destination, edu_type, json.loads(content))
+
+
+EVENTS: Final = StreamDef(
+    name="events",
+    row_type=EventsRow,
+    table="events",
+    id_column="stream_ordering",
+    instance_column="instance_name",
+    select=("event_id", "room_id", "type", "state_key", "sender", "membership"),
+    row_from_db=lambda cols: EventsRow(*cols),
+    sequence="events_stream_seq",
+    writers=Writers.CONFIGURED,
+)
+
+CACHES: Final = StreamDef(
+    name="caches",
+    row_type=CachesRow,
+    table="cache_invalidations",
+    id_column="stream_id",
+    instance_column="instance_name",
+    select=("cache_name", "keys", "invalidation_ts"),
+    row_from_db=_caches_from_db,
+    sequence="caches_stream_seq",
+    writers=Writers.ANY,
+    idle_leaps=False,
+)
+
+FEDERATION: Final = StreamDef(
+    name="federation",
+    row_type=FederationRow,
+    table="federation_outbox",
+    id_column="stream_id",
+    instance_column="instance_name",
+    select=("destination", "edu_type", "content"),
+    row_from_db=_federation_from_db,
+    sequence="federation_stream_seq",
+    writers=Writers.MASTER,
+)
+
+#: Every stream synflow knows, by name.
+STREAMS: Final[dict[str, StreamDef]] = {s.name: s for s in (EVENTS, CACHES, FEDERATION)}

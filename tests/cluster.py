@@ -1,0 +1,294 @@
+"""Real-process deployments for integration tests.
+
+:class:`Cluster` writes a deployment's config files into a temporary
+directory (SQLite or a fresh PostgreSQL database; TCP hub or Redis with its
+own channel prefix; every port on loopback, picked free), starts the master
+with ``twistd -n synflow`` and other processes as subprocesses, and kills
+whatever is left in cleanup. A :class:`DroppingProxy` sits between a process
+and the hub when a test needs to cut connections.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import yaml
+from twisted.internet import reactor
+from twisted.internet.defer import inlineCallbacks
+from twisted.internet.task import deferLater
+from twisted.protocols.portforward import ProxyFactory, ProxyServer
+
+from tests import services
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+PYTHON = sys.executable
+TWISTD = os.path.join(os.path.dirname(sys.executable), "twistd")
+
+
+def free_port() -> int:
+    """A loopback TCP port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sleep(seconds: float):
+    return deferLater(reactor, seconds, lambda: None)
+
+
+@inlineCallbacks
+def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.1):
+    """Poll ``predicate`` on the reactor until it is truthy; fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        yield sleep(interval)
+
+
+def read_jsonl(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.endswith("\n")]
+
+
+class Cluster:
+    """A deployment directory plus the processes running from it.
+
+    Args:
+        testcase: the trial test (for mktemp and cleanups).
+        engine: ``sqlite`` or ``postgres``.
+        transport: ``tcp`` or ``redis``.
+        writers: the event persisters (``stream_writers.events``).
+        server_name: the deployment's server name.
+    """
+
+    def __init__(self, testcase: Any, *, engine: str = "sqlite", transport: str = "tcp",
+                 writers: tuple[str, ...] = ("persister1", "persister2"), server_name: str = "test.local",
+                 extra_instances: tuple[str, ...] = (), shared: dict | None = None) -> None:
+        self.testcase = testcase
+        self.dir = os.path.abspath(testcase.mktemp())
+        os.makedirs(self.dir)
+        self.engine = engine
+        self.transport = transport
+        self.server_name = server_name
+        self.writers = writers
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.hub_port = free_port()
+        instances = {"master": free_port()}
+        for name in (*writers, *extra_instances):
+            instances[name] = free_port()
+        self.instance_ports = instances
+        database: dict[str, Any]
+        if engine == "postgres":
+            self.dbname = services.create_pg_database()
+            testcase.addCleanup(services.drop_pg_database, self.dbname)
+            database = {"engine": "postgres", "host": services.PG_HOST, "port": services.PG_PORT,
+                        "user": services.PG_USER, "dbname": self.dbname}
+        else:
+            database = {"engine": "sqlite", "path": os.path.join(self.dir, "var", "synflow.db")}
+        replication: dict[str, Any] = {"transport": transport, "hub": {"host": "127.0.0.1", "port": self.hub_port},
+                                       "idle_announce_interval_s": 0.2}
+        if transport == "redis":
+            services.require_redis()
+            replication["redis"] = {"host": services.REDIS_HOST, "port": services.REDIS_PORT,
+                                    "channel_prefix": services.redis_prefix()}
+        self.shared = {
+            "server_name": server_name,
+            "data_dir": os.path.join(self.dir, "var"),
+            "database": database,
+            "replication": replication,
+            "instance_map": {n: {"host": "127.0.0.1", "port": p} for n, p in instances.items()},
+            "stream_writers": {"events": list(writers)},
+            "audit": {"dir": os.path.join(self.dir, "var", "audit")},
+        }
+        if shared:
+            _deep_update(self.shared, shared)
+        os.makedirs(self.shared["data_dir"], exist_ok=True)
+        self.shared_path = self.write("shared.yaml", self.shared)
+        testcase.addCleanup(self.kill_all)
+
+    def write(self, name: str, data: dict) -> str:
+        path = os.path.join(self.dir, name)
+        with open(path, "w", encoding="utf-8") as f:
+            yaml.safe_dump(data, f)
+        return path
+
+    def process_config(self, name: str, app: str, **extra: Any) -> str:
+        data = {"app": app, "instance_name": name, "log_file": self.log_path(name)}
+        data.update(extra)
+        return self.write(f"{name}.yaml", data)
+
+    def log_path(self, name: str) -> str:
+        return os.path.join(self.dir, f"{name}.log")
+
+    def out_path(self, name: str) -> str:
+        return os.path.join(self.dir, f"{name}.out.jsonl")
+
+    # -- processes -------------------------------------------------------------------
+
+    def start_twistd(self, name: str, app: str, *configs: str, **extra: Any) -> subprocess.Popen:
+        """Start ``twistd -n synflow`` for one process of this deployment."""
+        own = self.process_config(name, app, **extra)
+        cmd = [TWISTD, "-n", "--pidfile", os.path.join(self.dir, f"{name}.pid"), "--logfile",
+               self.log_path(name), "synflow", "--config", self.shared_path, "--config", own]
+        for c in configs:
+            cmd += ["--config", c]
+        return self._spawn(name, cmd)
+
+    def start_script(self, name: str, app: str, script: str, *args: str, configs: tuple[str, ...] = (),
+                     **extra: Any) -> subprocess.Popen:
+        """Start a test harness script as a process of this deployment."""
+        own = self.process_config(name, app, **extra)
+        cmd = [PYTHON, os.path.join(ROOT, script), "--config", self.shared_path, "--config", own]
+        for c in configs:
+            cmd += ["--config", c]
+        return self._spawn(name, cmd + list(args))
+
+    def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
+        stderr = open(os.path.join(self.dir, f"{name}.stderr"), "ab")
+        env = dict(os.environ, PYTHONPATH=ROOT)
+        proc = subprocess.Popen(cmd, cwd=self.dir, stdout=stderr, stderr=stderr, env=env)
+        self.procs[name] = proc
+        return proc
+
+    def stderr_of(self, name: str) -> str:
+        path = os.path.join(self.dir, f"{name}.stderr")
+        if not os.path.exists(path):
+            return ""
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()[-4000:]
+
+    def log_tail(self, name: str, chars: int = 4000) -> str:
+        path = self.log_path(name)
+        if not os.path.exists(path):
+            return self.stderr_of(name)
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()[-chars:] + self.stderr_of(name)
+
+    def check_alive(self, *names: str) -> None:
+        for name in names or tuple(self.procs):
+            proc = self.procs[name]
+            if proc.poll() is not None:
+                raise AssertionError(f"{name} exited with {proc.returncode}:\n{self.log_tail(name)}")
+
+    @inlineCallbacks
+    def wait_for_port(self, port: int, name: str, timeout: float = 60):
+        def up():
+            self.check_alive(name)
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                return True
+            except OSError:
+                return False
+
+        yield wait_until(up, timeout, f"{name} to listen on {port}")
+
+    @inlineCallbacks
+    def start_master(self, **extra: Any):
+        """Start the master and wait until its hub (or internal listener) answers."""
+        self.start_twistd("master", "master", **extra)
+        port = self.hub_port if self.transport == "tcp" else self.instance_ports["master"]
+        if self.transport == "tcp":
+            yield self.wait_for_port(port, "master")
+        else:
+            yield wait_until(lambda: self._log_has("master", "started"), 60, "master to start")
+
+    def _log_has(self, name: str, text: str) -> bool:
+        self.check_alive(name)
+        path = self.log_path(name)
+        return os.path.exists(path) and text in open(path, encoding="utf-8", errors="replace").read()
+
+    def signal(self, name: str, sig: int) -> None:
+        proc = self.procs.get(name)
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(sig)
+
+    @inlineCallbacks
+    def stop(self, name: str, timeout: float = 20):
+        """SIGTERM one process and wait for it to exit."""
+        proc = self.procs.get(name)
+        if proc is None or proc.poll() is not None:
+            return proc.returncode if proc else None
+        proc.send_signal(signal.SIGTERM)
+        yield wait_until(lambda: proc.poll() is not None, timeout, f"{name} to stop")
+        return proc.returncode
+
+    def kill(self, name: str) -> None:
+        proc = self.procs.get(name)
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+    def kill_all(self) -> None:
+        for name in list(self.procs):
+            proc = self.procs[name]
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + 10
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+
+def _deep_update(into: dict, data: dict) -> None:
+    for k, v in data.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            _deep_update(into[k], v)
+        else:
+            into[k] = v
+
+
+class _TrackedProxy(ProxyServer):
+    def connectionMade(self):
+        self.factory.live.add(self)
+        super().connectionMade()
+
+    def connectionLost(self, reason):
+        self.factory.live.discard(self)
+        super().connectionLost(reason)
+
+
+class DroppingProxy(ProxyFactory):
+    """A TCP forwarder to the hub whose connections a test can cut at will."""
+
+    protocol = _TrackedProxy
+
+    def __init__(self, host: str, port: int) -> None:
+        super().__init__(host, port)
+        self.live: set[_TrackedProxy] = set()
+        self.listening = None
+
+    def listen(self) -> int:
+        self.listening = reactor.listenTCP(0, self, interface="127.0.0.1")
+        return self.listening.getHost().port
+
+    def drop_all(self) -> int:
+        """Abort every proxied connection; returns how many were cut."""
+        live = list(self.live)
+        for proto in live:
+            proto.transport.abortConnection()
+            if proto.peer is not None:
+                proto.peer.transport.abortConnection()
+        return len(live)
+
+    def close(self):
+        self.drop_all()
+        if self.listening is not None:
+            return self.listening.stopListening()
+        return None

@@ -1,0 +1,1 @@
+"""Integration tests: real processes, real TCP, real PostgreSQL, Redis and Spark."""

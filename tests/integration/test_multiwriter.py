@@ -1,0 +1,283 @@
+"""Two writer processes and a reader process on one events stream, for real.
+
+Each run starts a master with twistd, two writers and a reader (the stream
+harness in tests/procs/stream_worker.py, running synflow's real process
+bootstrap), writes thousands of facts with random rollbacks and out-of-order
+completion, and checks the reader's log against the database: every
+committed fact exactly once, in per-writer order, and no position advance
+past a fact the reader had not yet applied.
+"""
+
+from __future__ import annotations
+
+from twisted.internet.defer import inlineCallbacks
+from twisted.trial.unittest import TestCase
+
+from tests.cluster import Cluster, DroppingProxy, read_jsonl, sleep, wait_until
+
+WORKER = "tests/procs/stream_worker.py"
+WRITERS = ("persister1", "persister2")
+READERS = ("reader1", "reader2")
+
+
+def redis_command(*commands: bytes) -> list[bytes]:
+    """Send inline commands to the test Redis and return the raw replies."""
+    import socket as _socket
+
+    from tests.services import REDIS_HOST, REDIS_PORT
+
+    with _socket.create_connection((REDIS_HOST, REDIS_PORT), timeout=5) as s:
+        s.sendall(b"".join(c + b"\r\n" for c in commands))
+        s.settimeout(0.3)
+        data = b""
+        try:
+            while True:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+        except TimeoutError:
+            pass
+    return data.split(b"\r\n")
+
+
+def redis_client_count() -> int:
+    """How many clients other than this one Redis has."""
+    text = b"\n".join(redis_command(b"CLIENT LIST"))
+    return sum(1 for line in text.split(b"\n") if line.startswith(b"id=")) - 1
+
+
+def kill_all_redis_clients() -> int:
+    """CLIENT KILL every Redis client but the one asking; returns how many."""
+    import socket as _socket
+
+    from tests.services import REDIS_HOST, REDIS_PORT
+
+    with _socket.create_connection((REDIS_HOST, REDIS_PORT), timeout=5) as s:
+        s.sendall(b"CLIENT KILL TYPE normal SKIPME yes\r\nCLIENT KILL TYPE pubsub SKIPME yes\r\n")
+        data = b""
+        while data.count(b"\r\n") < 2:
+            data += s.recv(1024)
+    return sum(int(line[1:]) for line in data.split(b"\r\n") if line.startswith(b":"))
+
+
+def committed_facts(cluster: Cluster) -> dict[str, list[tuple[int, str]]]:
+    """(stream_id, event_id) per writer, from the database itself."""
+    rows = []
+    if cluster.engine == "postgres":
+        from tests.services import pg_connect
+
+        conn = pg_connect(cluster.dbname)
+        cur = conn.cursor()
+        cur.execute("SELECT instance_name, stream_ordering, event_id FROM events ORDER BY stream_ordering")
+        rows = cur.fetchall()
+        conn.close()
+    else:
+        import sqlite3
+
+        conn = sqlite3.connect(cluster.shared["database"]["path"])
+        rows = conn.execute(
+            "SELECT instance_name, stream_ordering, event_id FROM events ORDER BY stream_ordering"
+        ).fetchall()
+        conn.close()
+    facts: dict[str, list[tuple[int, str]]] = {}
+    for instance, sid, event_id in rows:
+        facts.setdefault(instance, []).append((sid, event_id))
+    return facts
+
+
+def check_reader_log(testcase, log: list[dict], facts: dict[str, list[tuple[int, str]]]) -> None:
+    """Every committed fact applied once, in order, never behind a position advance.
+
+    Facts at or below the position the reader started from (loaded from
+    stream_positions) are not expected: a fresh reader starts there.
+    """
+    applied: dict[str, list[tuple[int, str]]] = {}
+    start = next(r["positions"] for r in log if r["t"] == "ready")
+    facts = {w: [(sid, e) for sid, e in fs if sid > start.get(w, 0)] for w, fs in facts.items()}
+    for rec in log:
+        if rec["t"] == "rows":
+            for event_id in rec["ids"]:
+                applied.setdefault(rec["w"], []).append((rec["tok"], event_id))
+        elif rec["t"] == "pos":
+            seen = {e for _, e in applied.get(rec["w"], [])}
+            missing = [e for sid, e in facts.get(rec["w"], []) if sid <= rec["p"] and e not in seen]
+            testcase.assertEqual(missing, [], f"position of {rec['w']} advanced to {rec['p']} before these facts")
+    for writer, expected in facts.items():
+        got = applied.get(writer, [])
+        testcase.assertEqual(len(got), len({e for _, e in got}), f"{writer}: a fact was applied twice")
+        testcase.assertEqual(got, expected, f"{writer}: applied facts differ from the committed ones")
+
+
+class MultiWriterMixin:
+    engine = "sqlite"
+    transport = "tcp"
+    timeout = 300
+    COUNT = 700  # transactions per writer, 1-3 facts each
+
+    @inlineCallbacks
+    def _scenario(self, *, disconnect_reader=False, kill_writer=False, kill_redis_clients=False):
+        cluster = Cluster(self, engine=self.engine, transport=self.transport, writers=WRITERS,
+                          extra_instances=READERS)
+        yield cluster.start_master()
+        reader_extra = {}
+        proxy = None
+        if disconnect_reader:
+            proxy = DroppingProxy("127.0.0.1", cluster.hub_port)
+            port = proxy.listen()
+            self.addCleanup(proxy.close)
+            reader_extra = {"replication": {"hub": {"host": "127.0.0.1", "port": port}}}
+        for reader in READERS:
+            cluster.start_script(reader, "cache_invalidator", WORKER, "--role", "reader",
+                                 "--out", cluster.out_path(reader), **(reader_extra if reader == "reader1" else {}))
+        for reader in READERS:
+            yield wait_until(lambda r=reader: (cluster.check_alive(r), read_jsonl(cluster.out_path(r)))[1],
+                             60, f"{reader} to start")
+        for i, name in enumerate(WRITERS):
+            cluster.start_script(name, "event_persister", WORKER, "--role", "writer", "--seed", str(i + 1),
+                                 "--count", str(self.COUNT), "--rollback", "0.15", "--concurrency", "4",
+                                 "--out", cluster.out_path(name))
+
+        def facts_written(name):
+            return sum(1 for r in read_jsonl(cluster.out_path(name)) if r["t"] == "fact")
+
+        if kill_redis_clients:
+            processes = 1 + len(WRITERS) + len(READERS)
+            for fraction in (3, 2):
+                yield wait_until(lambda f=fraction: facts_written("persister1") > self.COUNT // f, 120, "more writes")
+                yield wait_until(lambda: redis_client_count() >= 2 * processes, 30,
+                                 "every process to have both Redis connections")
+                killed = kill_all_redis_clients()
+                self.assertGreaterEqual(killed, 2 * processes)
+        if disconnect_reader:
+            yield wait_until(lambda: facts_written("persister1") > self.COUNT // 2, 120, "half the writes")
+            dropped = proxy.drop_all()
+            self.assertGreaterEqual(dropped, 1)
+            yield sleep(1.0)
+        if kill_writer:
+            yield wait_until(lambda: facts_written("persister2") > self.COUNT // 3, 120, "a third of the writes")
+            cluster.kill("persister2")  # SIGKILL, mid-transaction most likely
+            before = read_jsonl(cluster.out_path("persister2"))
+            yield sleep(0.5)
+            cluster.start_script("persister2", "event_persister", WORKER, "--role", "writer", "--seed", "9",
+                                 "--count", "200", "--rollback", "0.15", "--concurrency", "4",
+                                 "--out", cluster.out_path("persister2") + ".2")
+
+        def all_done():
+            cluster.check_alive()
+            outs = [cluster.out_path("persister1"),
+                    cluster.out_path("persister2") + (".2" if kill_writer else "")]
+            return all(any(r["t"] == "done" for r in read_jsonl(p)) for p in outs)
+
+        yield wait_until(all_done, 240, "the writers to finish")
+        facts = committed_facts(cluster)
+        final = {w: max(s for s, _ in facts[w]) for w in WRITERS}
+
+        def reader_caught_up(reader):
+            cluster.check_alive(reader)
+            pos = {}
+            for rec in read_jsonl(cluster.out_path(reader)):
+                if rec["t"] == "pos":
+                    pos[rec["w"]] = rec["p"]
+            return all(pos.get(w, 0) >= final[w] for w in WRITERS)
+
+        for reader in READERS:
+            yield wait_until(lambda r=reader: reader_caught_up(r), 120, f"{reader} to reach every writer's last fact")
+        yield sleep(0.5)
+        for reader in READERS:
+            check_reader_log(self, read_jsonl(cluster.out_path(reader)), facts)
+        # The readers' final vector clock is the writers' own final positions.
+        writer_positions = {}
+        for w in WRITERS:
+            path = cluster.out_path(w) + (".2" if kill_writer and w == "persister2" else "")
+            writer_positions[w] = [r["position"] for r in read_jsonl(path) if r["t"] == "done"][-1]
+        for reader in READERS:
+            pos = {}
+            for rec in read_jsonl(cluster.out_path(reader)):
+                if rec["t"] == "pos":
+                    pos[rec["w"]] = rec["p"]
+            for w in WRITERS:
+                self.assertGreaterEqual(pos[w], writer_positions[w], f"{reader} behind {w}")
+        self.assertGreater(sum(len(v) for v in facts.values()), self.COUNT)
+        if kill_writer:
+            recorded = {r["event_id"] for r in before if r["t"] == "fact"}
+            in_db = {e for _, e in facts["persister2"]}
+            self.assertEqual(recorded - in_db, set(), "a fact reported committed before the kill is missing")
+            after = [r["sid"] for r in read_jsonl(cluster.out_path("persister2") + ".2") if r["t"] == "fact"]
+            self.assertTrue(after, "the restarted writer committed nothing")
+            before_ids = [r["sid"] for r in before if r["t"] == "fact"]
+            self.assertGreater(min(after), max(before_ids), "the restarted writer reused a stream ID")
+        for name in (*READERS, *WRITERS):
+            yield cluster.stop(name)
+        return cluster
+
+    @inlineCallbacks
+    def test_idle_writer_does_not_hold_back_minimum(self):
+        """With one writer idle the whole run, the reader's minimum still reaches the busy writer's last fact."""
+        cluster = Cluster(self, engine=self.engine, transport=self.transport, writers=WRITERS,
+                          extra_instances=("reader1",))
+        yield cluster.start_master()
+        cluster.start_script("reader1", "cache_invalidator", WORKER, "--role", "reader",
+                             "--out", cluster.out_path("reader1"))
+        yield wait_until(lambda: (cluster.check_alive("reader1"), read_jsonl(cluster.out_path("reader1")))[1],
+                         60, "the reader to start")
+        cluster.start_script("persister2", "event_persister", WORKER, "--role", "writer", "--count", "0",
+                             "--out", cluster.out_path("persister2"))
+        cluster.start_script("persister1", "event_persister", WORKER, "--role", "writer", "--count", "300",
+                             "--seed", "3", "--out", cluster.out_path("persister1"))
+        yield wait_until(
+            lambda: (cluster.check_alive(), any(r["t"] == "done" for r in read_jsonl(cluster.out_path("persister1"))))[1],
+            120, "the busy writer to finish")
+        last = max(s for s, _ in committed_facts(cluster)["persister1"])
+        self.assertNotIn("persister2", committed_facts(cluster))
+
+        def minimum():
+            pos = {}
+            for rec in read_jsonl(cluster.out_path("reader1")):
+                if rec["t"] == "pos":
+                    pos[rec["w"]] = rec["p"]
+            return min(pos.get(w, 0) for w in WRITERS)
+
+        yield wait_until(lambda: minimum() >= last, 30, f"the minimum position to reach {last}")
+        check_reader_log(self, read_jsonl(cluster.out_path("reader1")), committed_facts(cluster))
+
+    def test_two_writers_two_readers(self):
+        """Every committed fact of two concurrent writers reaches both readers once, in per-writer order."""
+        return self._scenario()
+
+    def test_writer_killed_and_restarted(self):
+        """A writer SIGKILLed mid-run restarts without reusing IDs or losing committed facts."""
+        return self._scenario(kill_writer=True)
+
+
+class TcpMixin(MultiWriterMixin):
+    transport = "tcp"
+
+    def test_reader_disconnected_mid_run(self):
+        """A reader whose hub connection is cut mid-run catches up through the POSITION gap, losing nothing."""
+        return self._scenario(disconnect_reader=True)
+
+
+class SqliteTcpTest(TcpMixin, TestCase):
+    engine = "sqlite"
+
+
+class PostgresTcpTest(TcpMixin, TestCase):
+    engine = "postgres"
+
+
+class RedisMixin(MultiWriterMixin):
+    transport = "redis"
+
+    def test_redis_clients_killed_mid_run(self):
+        """Every Redis connection killed twice mid-run: all processes reconnect and readers still get every fact once."""
+        return self._scenario(kill_redis_clients=True)
+
+
+class SqliteRedisTest(RedisMixin, TestCase):
+    engine = "sqlite"
+
+
+class PostgresRedisTest(RedisMixin, TestCase):
+    engine = "postgres"
+

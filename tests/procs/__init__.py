@@ -1,0 +1,1 @@
+"""Helpers that run as separate processes in integration tests."""

@@ -1,0 +1,312 @@
+"""The replication handler in one reactor: batches, stale rows, gaps, reconnects, writing."""
+
+from __future__ import annotations
+
+from twisted.internet.defer import succeed
+from twisted.internet.task import Clock
+from twisted.trial.unittest import SynchronousTestCase
+
+from synflow.replication.commands import (
+    COMMANDS,
+    PositionCommand,
+    RdataCommand,
+    ReplicateCommand,
+    Side,
+    parse_line,
+)
+from synflow.replication.handler import ReplicationHandler
+from synflow.replication.hub import ReplicationHub
+from synflow.storage.id_generators import FactPayload, MultiWriterIdGenerator
+from synflow.streams import CACHES, EVENTS, STREAMS, EventsRow
+from synflow.testing import Pump, make_protocol
+
+
+def ev(n: int, room: str = "!r:hs") -> EventsRow:
+    return EventsRow(f"$e{n}:hs", room, "m.room.message", None, "@u:hs", None)
+
+
+class ListSource:
+    """A catch-up source over an in-memory table (stands in for the database)."""
+
+    def __init__(self, rows):
+        self.rows = sorted(rows, key=lambda r: (r[0], r[1]))  # (instance, token, row)
+        self.calls = []
+
+    def get_updates(self, instance, from_token, to_token, limit=100):
+        self.calls.append((instance, from_token, to_token))
+        hits = [(t, r) for i, t, r in self.rows if i == instance and from_token < t <= to_token][:limit]
+        if len(hits) == limit:
+            return succeed((hits, hits[-1][0], True))
+        return succeed((hits, to_token, False))
+
+
+class FakeConn:
+    def __init__(self):
+        self.sent = []
+
+    def send_command(self, cmd):
+        self.sent.append(cmd)
+
+
+def make_handler(name="reader", source=None, generators=None, clock=None, positions=None):
+    clock = clock or Clock()
+    handler = ReplicationHandler(
+        name, clock, streams=STREAMS,
+        sources={"events": source or ListSource([])},
+        generators=generators, initial_positions=positions or {"events": {"w1": 1, "w2": 1}},
+    )
+    applied = []
+    handler.add_row_handler("events", lambda inst, tok, rows: applied.append((inst, tok, [r.event_id for r in rows])))
+    return handler, applied, clock
+
+
+class ReadingTest(SynchronousTestCase):
+    def test_dispatch_table_complete(self):
+        """Every command class has exactly one entry in the handler's dispatch table."""
+        handler, _, _ = make_handler()
+        self.assertEqual(set(handler.dispatch_table), set(COMMANDS.values()))
+
+    def test_rdata_ignored_until_position(self):
+        """RDATA of a writer is dropped until that writer's first POSITION on the connection."""
+        handler, applied, _ = make_handler()
+        conn = FakeConn()
+        handler.new_connection(conn)
+        handler.on_command(conn, RdataCommand("events", "w1", 5, ev(5).to_wire()))
+        self.assertEqual(applied, [])
+        handler.on_command(conn, PositionCommand("events", "w1", 1, 5))
+        handler.on_command(conn, RdataCommand("events", "w1", 6, ev(6).to_wire()))
+        self.assertEqual(applied, [("w1", 6, ["$e6:hs"])])
+        # Another writer on the same connection is still not connected.
+        handler.on_command(conn, RdataCommand("events", "w2", 7, ev(7).to_wire()))
+        self.assertEqual(len(applied), 1)
+
+    def test_batch_buffered_until_numeric_token(self):
+        """Rows with the token batch are buffered and applied with the numeric row, at its token."""
+        handler, applied, _ = make_handler()
+        conn = FakeConn()
+        handler.new_connection(conn)
+        handler.on_command(conn, PositionCommand("events", "w1", 1, 1))
+        handler.on_command(conn, RdataCommand("events", "w1", None, ev(2).to_wire()))
+        handler.on_command(conn, RdataCommand("events", "w1", None, ev(3).to_wire()))
+        self.assertEqual(applied, [])
+        self.assertEqual(handler.position("events", "w1"), 1)
+        handler.on_command(conn, RdataCommand("events", "w1", 4, ev(4).to_wire()))
+        self.assertEqual(applied, [("w1", 4, ["$e2:hs", "$e3:hs", "$e4:hs"])])
+        self.assertEqual(handler.position("events", "w1"), 4)
+
+    def test_position_discards_pending_batch(self):
+        """A POSITION drops a half-received batch (the catch-up fetches it again)."""
+        source = ListSource([("w1", 5, ev(5)), ("w1", 5, ev(6))])
+        handler, applied, _ = make_handler(source=source)
+        conn = FakeConn()
+        handler.new_connection(conn)
+        handler.on_command(conn, PositionCommand("events", "w1", 1, 1))
+        handler.on_command(conn, RdataCommand("events", "w1", None, ev(5).to_wire()))
+        handler.on_command(conn, PositionCommand("events", "w1", 5, 5))
+        self.assertEqual(applied, [("w1", 5, ["$e5:hs", "$e6:hs"])])
+
+    def test_stale_rdata_dropped(self):
+        """RDATA at or below the current position is dropped and never applied twice."""
+        handler, applied, _ = make_handler(positions={"events": {"w1": 10}})
+        conn = FakeConn()
+        handler.new_connection(conn)
+        handler.on_command(conn, PositionCommand("events", "w1", 10, 10))
+        for token in (9, 10, 11, 11):
+            handler.on_command(conn, RdataCommand("events", "w1", token, ev(token).to_wire()))
+        self.assertEqual(applied, [("w1", 11, ["$e11:hs"])])
+        self.assertEqual(handler.stats.rdata_stale, 3)
+
+    def test_gap_catch_up_across_pages(self):
+        """A POSITION gap fetches the missed rows in pages, applies them in order, then advances."""
+        rows = [("w1", t, ev(t)) for t in range(2, 700, 2)] + [("w2", t, ev(t)) for t in range(3, 700, 2)]
+        source = ListSource(rows)
+        handler, applied, _ = make_handler(source=source)
+        conn = FakeConn()
+        handler.new_connection(conn)
+        handler.on_command(conn, PositionCommand("events", "w1", 698, 720))
+        self.assertEqual([t for i, t, _ in applied if i == "w1"], list(range(2, 700, 2)) + [])
+        self.assertEqual(handler.position("events", "w1"), 720)
+        self.assertEqual(len(source.calls), 4)  # 349 rows in pages of 100
+        self.assertEqual(handler.position("events", "w2"), 1)
+
+    def test_reconnect_goes_through_position_again(self):
+        """After a reconnect, rows are dropped until a POSITION, whose gap is caught up."""
+        source = ListSource([("w1", t, ev(t)) for t in range(2, 20)])
+        handler, applied, _ = make_handler(source=source)
+        first = FakeConn()
+        handler.new_connection(first)
+        handler.on_command(first, PositionCommand("events", "w1", 1, 1))
+        for t in range(2, 6):
+            handler.on_command(first, RdataCommand("events", "w1", t, ev(t).to_wire()))
+        handler.lost_connection(first)
+        second = FakeConn()
+        handler.new_connection(second)
+        handler.on_command(second, RdataCommand("events", "w1", 12, ev(12).to_wire()))
+        self.assertEqual(handler.position("events", "w1"), 5)
+        handler.on_command(second, PositionCommand("events", "w1", 12, 12))
+        handler.on_command(second, RdataCommand("events", "w1", 13, ev(13).to_wire()))
+        self.assertEqual([t for _, t, _ in applied], list(range(2, 14)))
+
+    def test_unknown_stream_ignored(self):
+        """Commands for a stream this process does not know are ignored and counted."""
+        handler, applied, _ = make_handler()
+        conn = FakeConn()
+        handler.new_connection(conn)
+        handler.on_command(conn, PositionCommand("typing", "w1", 1, 5))
+        handler.on_command(conn, RdataCommand("typing", "w1", 6, ["!r:hs", []]))
+        self.assertEqual(handler.stats.unknown_stream_commands, 2)
+        self.assertEqual(applied, [])
+
+    def test_bad_row_dropped(self):
+        """A row of the wrong shape is dropped and counted; later rows still apply."""
+        handler, applied, _ = make_handler()
+        conn = FakeConn()
+        handler.new_connection(conn)
+        handler.on_command(conn, PositionCommand("events", "w1", 1, 1))
+        handler.on_command(conn, RdataCommand("events", "w1", 2, ["too", "short"]))
+        handler.on_command(conn, RdataCommand("events", "w1", 3, ev(3).to_wire()))
+        self.assertEqual(handler.stats.bad_rows, 1)
+        self.assertEqual(applied, [("w1", 3, ["$e3:hs"])])
+
+    def test_own_echo_ignored(self):
+        """RDATA and POSITION carrying this process's own name are ignored."""
+        handler, applied, _ = make_handler(name="w1")
+        conn = FakeConn()
+        handler.new_connection(conn)
+        handler.on_command(conn, PositionCommand("events", "w1", 1, 50))
+        self.assertEqual(handler.position("events", "w1"), 1)
+
+    def test_wait_for_position(self):
+        """wait_for_position fires True when the writer gets there, False after the timeout."""
+        handler, _, clock = make_handler()
+        conn = FakeConn()
+        handler.new_connection(conn)
+        reached = handler.wait_for_position("events", "w1", 5, timeout=5)
+        never = handler.wait_for_position("events", "w2", 5, timeout=5)
+        handler.on_command(conn, PositionCommand("events", "w1", 1, 7))
+        self.assertTrue(self.successResultOf(reached))
+        self.assertNoResult(never)
+        clock.advance(5)
+        self.assertFalse(self.successResultOf(never))
+
+    def test_apply_order(self):
+        """Row handlers run before the position advances; listeners and waiters after."""
+        handler, _, _ = make_handler()
+        order = []
+        handler.add_row_handler("events", lambda i, t, r: order.append(("rows", handler.position("events", i))))
+        handler.add_position_listener("events", lambda i, t: order.append(("listener", handler.position("events", i))))
+        handler.wait_for_position("events", "w1", 2).addCallback(lambda _: order.append(("waiter", 2)))
+        conn = FakeConn()
+        handler.new_connection(conn)
+        handler.on_command(conn, PositionCommand("events", "w1", 1, 1))
+        handler.on_command(conn, RdataCommand("events", "w1", 2, ev(2).to_wire()))
+        self.assertEqual(order, [("rows", 1), ("listener", 2), ("waiter", 2)])
+
+
+class WritingTest(SynchronousTestCase):
+    def _writer(self, position=1, stream=EVENTS):
+        clock = Clock()
+        gen = MultiWriterIdGenerator(stream, "w1", position, clock)
+        handler = ReplicationHandler(
+            "w1", clock, streams=STREAMS, sources={}, generators={stream.name: gen},
+        )
+        sent = FakeConn()
+        handler.set_transport(sent)
+        return handler, gen, sent
+
+    def _write(self, gen, ids, ok=True, rows_per_id=1):
+        handle = gen.tracker.begin_fetch()
+        payloads = {i: FactPayload(tuple(ev(i * 10 + k) for k in range(rows_per_id)), 0) for i in ids}
+        return lambda: gen.finish(handle, ids, payloads, ok)
+
+    def test_completions_announced_in_order(self):
+        """Out-of-order completions go out as RDATA in ID order, then a POSITION for the tail."""
+        handler, gen, sent = self._writer(position=1)
+        first = self._write(gen, [2])
+        second = self._write(gen, [3])
+        second()
+        self.assertEqual(sent.sent, [])
+        first()
+        self.assertEqual(
+            [type(c).__name__ + str(getattr(c, "token", "")) for c in sent.sent], ["RdataCommand2", "RdataCommand3"]
+        )
+
+    def test_batch_rows_share_an_id(self):
+        """Several rows of one ID go out with the token batch on all but the last."""
+        handler, gen, sent = self._writer()
+        self._write(gen, [2], rows_per_id=3)()
+        self.assertEqual([c.token for c in sent.sent], [None, None, 2])
+
+    def test_rollback_becomes_position(self):
+        """A rolled-back ID sends no RDATA; the position still moves with a POSITION."""
+        handler, gen, sent = self._writer()
+        self._write(gen, [2, 3], ok=False)()
+        self.assertEqual(sent.sent, [PositionCommand("events", "w1", 1, 3)])
+
+    def test_replicate_answered(self):
+        """REPLICATE is answered with POSITION for every stream this process writes."""
+        handler, gen, sent = self._writer(position=42)
+        handler.on_command(FakeConn(), ReplicateCommand())
+        self.assertEqual(sent.sent, [PositionCommand("events", "w1", 42, 42)])
+
+    def test_idle_writer_leaps(self):
+        """An idle writer's tick leaps it to the highest position seen and announces it."""
+        handler, gen, sent = self._writer(position=5)
+        conn = FakeConn()
+        handler.new_connection(conn)
+        handler.on_command(conn, PositionCommand("events", "w2", 5, 90))
+        handler.start()
+        handler.clock.advance(1)
+        self.assertEqual(gen.position, 90)
+        self.assertIn(PositionCommand("events", "w1", 5, 90), sent.sent)
+        handler.stop()
+
+    def test_caches_do_not_leap(self):
+        """The caches stream never leaps idle writers (its readers use no minimum)."""
+        handler, gen, sent = self._writer(position=5, stream=CACHES)
+        conn = FakeConn()
+        handler.new_connection(conn)
+        handler.on_command(conn, PositionCommand("caches", "w2", 5, 90))
+        handler.start()
+        handler.clock.advance(1)
+        self.assertEqual(gen.position, 5)
+        handler.stop()
+
+
+class ThroughTheHubTest(SynchronousTestCase):
+    def test_writer_to_reader_over_pumped_protocols(self):
+        """A writer on one worker reaches a reader on another through the real hub in memory."""
+        clock = Clock()
+        gen = MultiWriterIdGenerator(EVENTS, "w1", 1, clock)
+        writer = ReplicationHandler("w1", clock, streams=STREAMS, sources={}, generators={"events": gen})
+        reader, applied, _ = make_handler(clock=clock, positions={"events": {"w1": 1}})
+        hub = ReplicationHub(None)
+        pumps = []
+        for handler, name in ((writer, "w1"), (reader, "reader")):
+            class Recv:
+                def __init__(self, h):
+                    self.h = h
+
+                def connection_made(self, conn):
+                    self.h.new_connection(conn)
+                    self.h.set_transport(conn)
+
+                def connection_lost(self, conn, reason):
+                    self.h.lost_connection(conn)
+
+                def on_command(self, conn, cmd):
+                    self.h.on_command(conn, cmd)
+
+            server = make_protocol(Side.SERVER, hub, clock, server_name="hs")
+            client = make_protocol(Side.CLIENT, Recv(handler), clock, server_name="hs", instance_name=name)
+            pumps.append(Pump(server, client))
+        for p in pumps:
+            p.flush()
+        handle = gen.tracker.begin_fetch()
+        gen.finish(handle, [2, 3], {2: FactPayload((ev(2),), 0), 3: FactPayload((ev(3),), 0)}, True)
+        for _ in range(3):
+            for p in pumps:
+                p.flush()
+        self.assertEqual(applied, [("w1", 2, ["$e2:hs"]), ("w1", 3, ["$e3:hs"])])
+        self.assertEqual(reader.position("events", "w1"), 3)
+        self.assertEqual(parse_line("POSITION events w1 3 3").new_token, 3)

@@ -1,0 +1,1 @@
+"""Tests for synflow.storage: engines, the Database pool and migrations."""

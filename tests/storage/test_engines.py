@@ -1,0 +1,684 @@
+"""Tests for synflow.storage.engines: config, SQL dialects and the Database pool.
+
+The Database tests run against real SQLite files and real PostgreSQL
+databases, once per engine.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import sys
+import textwrap
+import time
+from typing import Any
+
+from hypothesis import given
+from hypothesis import strategies as st
+from twisted.enterprise.adbapi import ConnectionLost
+from twisted.internet import protocol, reactor
+from twisted.internet.defer import Deferred
+from twisted.internet.task import Clock, deferLater
+from twisted.logger import globalLogPublisher
+from twisted.python import threadable
+from twisted.trial.unittest import SynchronousTestCase, TestCase
+
+import synflow
+from synflow.errors import ConfigError, StorageError
+from synflow.storage.engines import (
+    MAX_RETRIES,
+    Database,
+    DatabaseConfig,
+    Txn,
+    create_database,
+    get_engine,
+    scan_sql,
+)
+from tests.dbutil import database_config, make_database
+
+PG = get_engine("postgres")
+SQLITE = get_engine("sqlite")
+
+
+async def drive(clock: Clock, d: Deferred[Any], step: float) -> int:
+    """Advance ``clock`` by ``step`` whenever something waits on it, until ``d`` fires.
+
+    Database work runs on real threads, so between advances the real reactor
+    gets to run. Returns how many times the clock was advanced.
+    """
+    advances = 0
+    while not d.called:
+        if clock.getDelayedCalls():
+            clock.advance(step)
+            advances += 1
+        else:
+            await deferLater(reactor, 0.005, lambda: None)
+    return advances
+
+
+class PlaceholderTests(SynchronousTestCase):
+    """SQL written with ``?`` placeholders becomes each driver's style."""
+
+    def test_postgres_placeholders(self) -> None:
+        """Each ``?`` in code becomes ``%s`` for psycopg2."""
+        self.assertEqual(
+            PG.convert_placeholders("SELECT a FROM t WHERE b = ? AND c IN (?, ?)"),
+            "SELECT a FROM t WHERE b = %s AND c IN (%s, %s)",
+        )
+
+    def test_postgres_literal_percent_is_escaped(self) -> None:
+        """A literal ``%`` anywhere (code, strings, comments) is doubled, as psycopg2 requires."""
+        self.assertEqual(
+            PG.convert_placeholders("SELECT 7 % 2, '50%' -- 100%\nFROM t WHERE a LIKE ?"),
+            "SELECT 7 %% 2, '50%%' -- 100%%\nFROM t WHERE a LIKE %s",
+        )
+
+    def test_postgres_question_marks_in_literals_are_kept(self) -> None:
+        """A ``?`` inside strings, quoted identifiers, comments or dollar quotes stays a ``?``."""
+        sql = (
+            "SELECT 'what?', \"col?\", E'it\\'s ?', $$ ? $$, $f$ ? $f$, ? /* ? */ -- ?\n"
+            "FROM t WHERE x = ?"
+        )
+        self.assertEqual(
+            PG.convert_placeholders(sql),
+            "SELECT 'what?', \"col?\", E'it\\'s ?', $$ ? $$, $f$ ? $f$, %s /* ? */ -- ?\n"
+            "FROM t WHERE x = %s",
+        )
+
+    def test_postgres_doubled_quote_in_string(self) -> None:
+        """A doubled ``''`` inside a string does not end the literal early."""
+        self.assertEqual(PG.convert_placeholders("SELECT 'it''s ?', ?"), "SELECT 'it''s ?', %s")
+
+    def test_postgres_dollar_in_identifier_is_not_a_quote(self) -> None:
+        """A ``$`` inside an identifier does not start a dollar quote."""
+        self.assertEqual(PG.convert_placeholders("SELECT a$b$ FROM t WHERE c = ?"),
+                         "SELECT a$b$ FROM t WHERE c = %s")
+
+    def test_sqlite_unchanged(self) -> None:
+        """SQLite takes ``?`` natively, so its SQL is passed through untouched."""
+        sql = "SELECT '50%', ? WHERE a LIKE '%?'"
+        self.assertEqual(SQLITE.convert_placeholders(sql), sql)
+
+    @given(st.text(alphabet="ab'\"%$-/*\n ;?eE"))
+    def test_postgres_conversion_round_trips(self, sql: str) -> None:
+        """Interpolating the converted SQL with ``?`` values gives back the original text."""
+        converted = PG.convert_placeholders(sql)
+        count = converted.replace("%%", "").count("%s")
+        self.assertEqual(converted % (("?",) * count), sql)
+
+    @given(st.text(alphabet="ab'\"`%$-/*\n ;?eE"))
+    def test_scan_pieces_join_to_input(self, sql: str) -> None:
+        """Scanning splits SQL into pieces that join back to the input, on both dialects."""
+        for engine in ("sqlite", "postgres"):
+            self.assertEqual("".join(text for _, text in scan_sql(sql, engine)), sql)
+
+    def test_greatest(self) -> None:
+        """``greatest`` is ``MAX(a, b)`` on SQLite and ``GREATEST(a, b)`` on PostgreSQL."""
+        self.assertEqual(SQLITE.greatest("a", "?"), "MAX(a, ?)")
+        self.assertEqual(PG.greatest("a", "?"), "GREATEST(a, ?)")
+
+
+class TransientErrorTests(SynchronousTestCase):
+    """Each engine tells errors worth retrying from the rest."""
+
+    def test_sqlite_locked_is_transient(self) -> None:
+        """SQLite's "database is locked" is transient; a syntax error is not."""
+        self.assertTrue(SQLITE.is_transient(sqlite3.OperationalError("database is locked")))
+        self.assertFalse(SQLITE.is_transient(sqlite3.OperationalError('near "SELEC": syntax error')))
+        self.assertFalse(SQLITE.is_transient(sqlite3.IntegrityError("UNIQUE constraint failed")))
+
+    def test_postgres_lost_connection_is_transient(self) -> None:
+        """A lost connection (OperationalError without SQLSTATE, InterfaceError) is transient."""
+        import psycopg2
+        import psycopg2.errors
+
+        self.assertTrue(PG.is_transient(psycopg2.OperationalError("server closed the connection")))
+        self.assertTrue(PG.is_transient(psycopg2.InterfaceError("connection already closed")))
+        self.assertFalse(PG.is_transient(psycopg2.errors.UniqueViolation("duplicate key")))
+        self.assertFalse(PG.is_transient(ValueError("not a database error")))
+
+    def test_unknown_engine(self) -> None:
+        """Asking for an engine synflow lacks is a StorageError naming it."""
+        e = self.assertRaises(StorageError, get_engine, "oracle")
+        self.assertIn("'oracle'", str(e))
+
+
+class DatabaseConfigTests(SynchronousTestCase):
+    """DatabaseConfig defaults, validation and loading from YAML mappings."""
+
+    def test_pool_size_defaults_per_engine(self) -> None:
+        """SQLite defaults to one connection, PostgreSQL to five."""
+        self.assertEqual(DatabaseConfig().cp_max, 1)
+        self.assertEqual(DatabaseConfig(engine="postgres").cp_max, 5)
+        self.assertEqual(DatabaseConfig.from_dict({"engine": "postgres"}).cp_max, 5)
+
+    def test_memory_database_needs_one_connection(self) -> None:
+        """``:memory:`` is refused with more than one pool connection and allowed with one."""
+        e = self.assertRaises(StorageError, DatabaseConfig, path=":memory:", cp_max=2)
+        self.assertIn("cp_max: 1", str(e))
+        self.assertEqual(DatabaseConfig(path=":memory:").cp_max, 1)
+
+    def test_from_dict_reads_every_key(self) -> None:
+        """Every documented key is read, and Synapse's engine names are accepted."""
+        config = DatabaseConfig.from_dict({
+            "engine": "psycopg2", "host": "db", "port": 5433, "user": "u", "password": "p",
+            "dbname": "d", "cp_min": 2, "cp_max": 7, "connect_timeout_s": 3, "path": "x.db",
+        })
+        self.assertEqual(
+            config,
+            DatabaseConfig(engine="postgres", host="db", port=5433, user="u", password="p",
+                           dbname="d", cp_min=2, cp_max=7, connect_timeout_s=3, path="x.db"),
+        )
+        self.assertNotIn("'p'", repr(config))
+
+    def test_from_dict_unknown_key(self) -> None:
+        """An unknown key is a ConfigError naming ``database.<key>``."""
+        e = self.assertRaises(ConfigError, DatabaseConfig.from_dict, {"hostname": "db"})
+        self.assertEqual(e.key, "database.hostname")
+        self.assertIn("known keys", str(e))
+
+    def test_from_dict_wrong_type(self) -> None:
+        """A value of the wrong type is a ConfigError naming the key and the value."""
+        e = self.assertRaises(ConfigError, DatabaseConfig.from_dict, {"port": "5432"})
+        self.assertEqual(e.key, "database.port")
+        self.assertIn("'5432'", str(e))
+        e = self.assertRaises(ConfigError, DatabaseConfig.from_dict, {"cp_max": True})
+        self.assertEqual(e.key, "database.cp_max")
+
+    def test_from_dict_bad_engine(self) -> None:
+        """An unknown engine name is a ConfigError on ``database.engine``."""
+        e = self.assertRaises(ConfigError, DatabaseConfig.from_dict, {"engine": "mysql"})
+        self.assertEqual(e.key, "database.engine")
+
+    def test_from_dict_inconsistent_values(self) -> None:
+        """Cross-field problems are ConfigErrors naming the key to change."""
+        e = self.assertRaises(ConfigError, DatabaseConfig.from_dict, {"path": ":memory:", "cp_max": 3})
+        self.assertEqual(e.key, "database.path")
+        e = self.assertRaises(ConfigError, DatabaseConfig.from_dict, {"cp_min": 3})
+        self.assertEqual(e.key, "database.cp_max")
+        e = self.assertRaises(ConfigError, DatabaseConfig.from_dict, {"port": 0})
+        self.assertEqual(e.key, "database.port")
+
+    def test_from_dict_not_a_mapping(self) -> None:
+        """A ``database`` section that is not a mapping is a ConfigError on ``database``."""
+        e = self.assertRaises(ConfigError, DatabaseConfig.from_dict, ["sqlite"])
+        self.assertEqual(e.key, "database")
+
+    def test_missing_sqlite_directory(self) -> None:
+        """A SQLite path in a missing directory is refused when the Database is made."""
+        config = DatabaseConfig(path=os.path.join(self.mktemp(), "synflow.db"))
+        e = self.assertRaises(StorageError, create_database, reactor, config)
+        self.assertIn("does not exist", str(e))
+
+
+# ----------------------------------------------------------------- interactions
+
+
+def create_items_txn(txn: Txn) -> None:
+    txn.execute_raw("CREATE TABLE items (id INTEGER PRIMARY KEY, name TEXT)")
+
+
+def insert_item_txn(txn: Txn, item_id: int, name: str | None = None) -> None:
+    txn.execute("INSERT INTO items (id, name) VALUES (?, ?)", (item_id, name))
+
+
+def select_items_txn(txn: Txn) -> list[tuple[Any, ...]]:
+    txn.execute("SELECT id, name FROM items ORDER BY id")
+    return txn.fetchall()
+
+
+def select_one_txn(txn: Txn) -> int:
+    txn.execute("SELECT 1")
+    row = txn.fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+class Boom(Exception):
+    """Raised by test interactions to force a rollback."""
+
+
+class DatabaseTestsMixin:
+    """Database behaviour that must hold on every engine."""
+
+    engine: str
+
+    async def make_db(self, **kwargs: Any) -> Database:
+        db = await make_database(self, self.engine, apply=False, **kwargs)
+        await db.run_interaction("create_items", create_items_txn)
+        return db
+
+    async def test_placeholders_and_literals(self) -> None:
+        """Parameters bind, while ``%`` and ``?`` inside literals and comments are left alone."""
+        db = await self.make_db()
+        await db.run_interaction("insert", insert_item_txn, 1, "50% off?")
+
+        def query_txn(txn: Txn) -> list[tuple[Any, ...]]:
+            txn.execute(
+                "SELECT '50%', ?, 'what?', name -- a comment with ? and %\n"
+                "FROM items WHERE name LIKE '50%' AND id = ?",
+                (7, 1),
+            )
+            return txn.fetchall()
+
+        self.assertEqual(await db.run_interaction("query", query_txn), [("50%", 7, "what?", "50% off?")])
+
+    async def test_commit_fires_after_callbacks_on_reactor_thread(self) -> None:
+        """A committed interaction runs its after-callbacks, in the reactor thread, before its result."""
+        db = await self.make_db()
+        calls: list[tuple[str, int, bool]] = []
+
+        def write_txn(txn: Txn) -> str:
+            insert_item_txn(txn, 1, "one")
+            txn.call_after(lambda n: calls.append(("after", n, threadable.isInIOThread())), 1)
+            txn.call_on_exception(lambda n: calls.append(("exception", n, threadable.isInIOThread())), 1)
+            return "done"
+
+        d = db.run_interaction("write", write_txn)
+        d.addCallback(lambda r: (r, list(calls)))
+        self.assertEqual(await d, ("done", [("after", 1, True)]))
+        self.assertEqual(await db.run_interaction("read", select_items_txn), [(1, "one")])
+
+    async def test_rollback_fires_exception_callbacks(self) -> None:
+        """An interaction that raises rolls back its writes and runs only its exception callbacks."""
+        db = await self.make_db()
+        calls: list[tuple[str, bool]] = []
+
+        def failing_txn(txn: Txn) -> None:
+            insert_item_txn(txn, 1, "one")
+            txn.call_after(lambda: calls.append(("after", threadable.isInIOThread())))
+            txn.call_on_exception(lambda: calls.append(("exception", threadable.isInIOThread())))
+            raise Boom()
+
+        await self.assertFailure(db.run_interaction("fail", failing_txn), Boom)
+        self.assertEqual(calls, [("exception", True)])
+        self.assertEqual(await db.run_interaction("read", select_items_txn), [])
+
+    async def test_database_error_is_surfaced(self) -> None:
+        """A constraint violation fails the Deferred with the driver's own error class."""
+        db = await self.make_db()
+        await db.run_interaction("insert", insert_item_txn, 1)
+        d = db.run_interaction("insert_again", insert_item_txn, 1)
+        await self.assertFailure(d, self.integrity_error())
+
+    async def test_insert_many(self) -> None:
+        """``insert_many`` writes every row, across several statements, with awkward values intact."""
+        db = await self.make_db()
+        rows = [(i, f"item {i}") for i in range(2500)] + [(2500, "50% 'quoted' ?"), (2501, None)]
+
+        def insert_txn(txn: Txn) -> None:
+            txn.insert_many("items", ("id", "name"), rows)
+
+        await db.run_interaction("insert_many", insert_txn)
+        self.assertEqual(await db.run_interaction("read", select_items_txn), rows)
+
+    async def test_executemany_and_rowcount(self) -> None:
+        """``executemany`` runs per row and ``rowcount`` reports an UPDATE's rows."""
+        db = await self.make_db()
+
+        def txn_func(txn: Txn) -> int:
+            txn.executemany("INSERT INTO items (id, name) VALUES (?, ?)", [(1, "a"), (2, "b")])
+            txn.execute("UPDATE items SET name = ? WHERE id >= ?", ("z", 1))
+            return txn.rowcount
+
+        self.assertEqual(await db.run_interaction("many", txn_func), 2)
+
+    async def test_greatest_in_sql(self) -> None:
+        """The engine's ``greatest`` snippet picks the larger value in real SQL."""
+        db = await self.make_db()
+
+        def txn_func(txn: Txn) -> Any:
+            txn.execute(f"SELECT {txn.engine.greatest('?', '?')}", (3, 7))
+            row = txn.fetchone()
+            assert row is not None
+            return row[0]
+
+        self.assertEqual(await db.run_interaction("greatest", txn_func), 7)
+
+    async def test_autocommit_keeps_writes_and_restores_transactions(self) -> None:
+        """``run_autocommit`` keeps writes made before an error; later interactions are transactional again."""
+        db = await self.make_db()
+        calls: list[str] = []
+
+        def autocommit_txn(txn: Txn) -> None:
+            txn.call_on_exception(calls.append, "exception")
+            insert_item_txn(txn, 1, "kept")
+            raise Boom()
+
+        await self.assertFailure(db.run_autocommit("auto", autocommit_txn), Boom)
+        self.assertEqual(calls, ["exception"])
+
+        def rolled_back_txn(txn: Txn) -> None:
+            insert_item_txn(txn, 2, "discarded")
+            raise Boom()
+
+        await self.assertFailure(db.run_interaction("txn", rolled_back_txn), Boom)
+        self.assertEqual(await db.run_interaction("read", select_items_txn), [(1, "kept")])
+
+    async def test_idempotent_retries_transient_errors(self) -> None:
+        """An idempotent interaction is rerun after transient errors, each failed attempt firing its exception callbacks."""
+        clock = Clock()
+        db = await self.make_db(clock=clock)
+        transient = self.transient_error()
+        attempts: list[int] = []
+        calls: list[str] = []
+
+        def flaky_txn(txn: Txn) -> str:
+            attempts.append(1)
+            txn.call_after(calls.append, "after")
+            txn.call_on_exception(calls.append, "exception")
+            insert_item_txn(txn, len(attempts))
+            if len(attempts) < 3:
+                raise transient
+            return "ok"
+
+        d = db.run_interaction("flaky", flaky_txn, idempotent=True)
+        self.assertEqual(await drive(clock, d, 1.0), 2)
+        self.assertEqual(await d, "ok")
+        self.assertEqual(calls, ["exception", "exception", "after"])
+        self.assertEqual(await db.run_interaction("read", select_items_txn), [(3, None)])
+
+    def transient_error(self) -> Exception:
+        """An error the engine treats as transient."""
+        raise NotImplementedError
+
+    def integrity_error(self) -> type[Exception]:
+        """The driver's IntegrityError class."""
+        raise NotImplementedError
+
+
+class PoolBehaviourTests(TestCase):
+    """Database behaviour that does not depend on the engine, checked on SQLite."""
+
+    engine = "sqlite"
+    make_db = DatabaseTestsMixin.make_db
+
+    def transient_error(self) -> Exception:
+        return sqlite3.OperationalError("database is locked")
+
+    async def test_failing_callback_is_logged_not_raised(self) -> None:
+        """An after-callback that raises is logged and the interaction still succeeds."""
+        db = await self.make_db()
+
+        def write_txn(txn: Txn) -> int:
+            txn.call_after(lambda: 1 / 0)
+            return 5
+
+        self.assertEqual(await db.run_interaction("write", write_txn), 5)
+        self.assertEqual(len(self.flushLoggedErrors(ZeroDivisionError)), 1)
+
+    async def test_args_and_kwargs_are_passed(self) -> None:
+        """Extra positional and keyword arguments reach the ``_txn`` function."""
+        db = await self.make_db()
+        await db.run_interaction("insert", insert_item_txn, 3, name="three")
+        self.assertEqual(await db.run_interaction("read", select_items_txn), [(3, "three")])
+
+    async def test_insert_many_refuses_bad_names(self) -> None:
+        """``insert_many`` refuses a table or column that is not a plain identifier."""
+        db = await self.make_db()
+
+        def insert_txn(txn: Txn) -> None:
+            txn.insert_many("items; DROP TABLE items", ("id",), [(1,)])
+
+        await self.assertFailure(db.run_interaction("bad", insert_txn), ValueError)
+
+    async def test_idempotent_gives_up(self) -> None:
+        """An interaction that keeps failing transiently fails after the last retry with its error."""
+        clock = Clock()
+        db = await self.make_db(clock=clock)
+        transient = self.transient_error()
+        attempts: list[int] = []
+
+        def failing_txn(txn: Txn) -> None:
+            attempts.append(1)
+            raise transient
+
+        d = db.run_interaction("failing", failing_txn, idempotent=True)
+        await drive(clock, d, 10.0)
+        await self.assertFailure(d, type(transient))
+        self.assertEqual(len(attempts), MAX_RETRIES + 1)
+
+    async def test_non_transient_error_is_not_retried(self) -> None:
+        """Even an idempotent interaction is not retried after a non-transient error."""
+        db = await self.make_db()
+        attempts: list[int] = []
+
+        def failing_txn(txn: Txn) -> None:
+            attempts.append(1)
+            raise Boom()
+
+        await self.assertFailure(db.run_interaction("f", failing_txn, idempotent=True), Boom)
+        self.assertEqual(len(attempts), 1)
+
+    async def test_stats_count_and_time_per_desc(self) -> None:
+        """``stats`` counts calls and accumulates time per description."""
+        db = await self.make_db()
+        await db.run_interaction("a", select_one_txn)
+        await db.run_interaction("a", select_one_txn)
+        await db.run_interaction("b", select_one_txn)
+        stats = db.stats()
+        self.assertEqual((stats["a"][0], stats["b"][0], stats["create_items"][0]), (2, 1, 1))
+        self.assertGreater(stats["a"][1], 0.0)
+
+    async def test_close_waits_for_in_flight_work(self) -> None:
+        """``close`` waits for running interactions, then refuses new ones."""
+        db = await self.make_db()
+        order: list[str] = []
+
+        def slow_txn(txn: Txn) -> None:
+            time.sleep(0.2)
+            insert_item_txn(txn, 1)
+
+        running = db.run_interaction("slow", slow_txn).addCallback(lambda _: order.append("slow"))
+        await db.close().addCallback(lambda _: order.append("closed"))
+        await running
+        self.assertEqual(order, ["slow", "closed"])
+        await self.assertFailure(db.run_interaction("late", select_one_txn), StorageError)
+
+    async def test_txn_function_must_be_synchronous(self) -> None:
+        """A ``_txn`` function returning a Deferred is refused with a TypeError."""
+        db = await self.make_db()
+        await self.assertFailure(db.run_interaction("bad", lambda txn: Deferred()), TypeError)
+
+
+class SqliteDatabaseTests(DatabaseTestsMixin, TestCase):
+    """The Database behaviours on SQLite."""
+
+    engine = "sqlite"
+
+    def transient_error(self) -> Exception:
+        return sqlite3.OperationalError("database is locked")
+
+    def integrity_error(self) -> type[Exception]:
+        return sqlite3.IntegrityError
+
+    async def test_connection_pragmas(self) -> None:
+        """SQLite connections use WAL, synchronous=NORMAL, foreign keys and a long busy timeout."""
+        db = await self.make_db()
+
+        def pragmas_txn(txn: Txn) -> list[Any]:
+            values = []
+            for pragma in ("journal_mode", "synchronous", "foreign_keys", "busy_timeout"):
+                txn.execute(f"PRAGMA {pragma}")
+                row = txn.fetchone()
+                assert row is not None
+                values.append(row[0])
+            return values
+
+        self.assertEqual(await db.run_interaction("pragmas", pragmas_txn), ["wal", 1, 1, 30000])
+
+    async def test_memory_database_with_one_connection(self) -> None:
+        """An in-memory SQLite database works with its single connection."""
+        db = Database(reactor, DatabaseConfig(path=":memory:"))
+        self.addCleanup(db.close)
+        await db.run_interaction("create", create_items_txn)
+        await db.run_interaction("insert", insert_item_txn, 1, "x")
+        self.assertEqual(await db.run_interaction("read", select_items_txn), [(1, "x")])
+
+
+class PostgresDatabaseTests(DatabaseTestsMixin, TestCase):
+    """The Database behaviours on PostgreSQL, and recovery from a killed backend."""
+
+    engine = "postgres"
+
+    def transient_error(self) -> Exception:
+        import psycopg2
+
+        return psycopg2.OperationalError("server closed the connection unexpectedly")
+
+    def integrity_error(self) -> type[Exception]:
+        import psycopg2
+
+        return psycopg2.IntegrityError
+
+    async def kill_backend(self, db: Database) -> int:
+        """Terminate the PostgreSQL backend serving the pool's only connection."""
+        from tests.services import pg_connect
+
+        def pid_txn(txn: Txn) -> int:
+            txn.execute("SELECT pg_backend_pid()")
+            row = txn.fetchone()
+            assert row is not None
+            return int(row[0])
+
+        pid = await db.run_interaction("pid", pid_txn)
+        conn = pg_connect()
+        try:
+            conn.cursor().execute("SELECT pg_terminate_backend(%s)", (pid,))
+        finally:
+            conn.close()
+        return pid
+
+    def flush_connection_errors(self) -> None:
+        import psycopg2
+
+        # adbapi logs the failed rollback on the dead connection.
+        self.flushLoggedErrors(psycopg2.InterfaceError, psycopg2.OperationalError, ConnectionLost)
+
+    async def test_idempotent_call_survives_terminated_backend(self) -> None:
+        """After ``pg_terminate_backend``, an idempotent call is retried on the clock and succeeds."""
+        clock = Clock()
+        db = await self.make_db(clock=clock, cp_min=1, cp_max=1)
+        await self.kill_backend(db)
+        warnings: list[dict[str, Any]] = []
+
+        def observe(event: dict[str, Any]) -> None:
+            if event.get("log_level") is not None and event["log_level"].name == "warn":
+                warnings.append(event)
+
+        globalLogPublisher.addObserver(observe)
+        self.addCleanup(globalLogPublisher.removeObserver, observe)
+        d = db.run_interaction("after_kill", select_one_txn, idempotent=True)
+        self.assertEqual(await drive(clock, d, 1.0), 1)
+        self.assertEqual(await d, 1)
+        self.assertEqual([w["desc"] for w in warnings], ["after_kill"])
+        self.flush_connection_errors()
+
+    async def test_non_idempotent_call_fails_after_terminated_backend(self) -> None:
+        """After ``pg_terminate_backend``, a non-idempotent call fails with the driver's error and the pool recovers."""
+        import psycopg2
+
+        db = await self.make_db(cp_min=1, cp_max=1)
+        await self.kill_backend(db)
+        await self.assertFailure(db.run_interaction("after_kill", select_one_txn), psycopg2.OperationalError)
+        self.assertEqual(await db.run_interaction("recovered", select_one_txn), 1)
+        self.flush_connection_errors()
+
+
+# ------------------------------------------------------------- two processes
+
+CHILD_SCRIPT = textwrap.dedent("""
+    import sys
+    import time
+    from twisted.internet import task
+    from twisted.internet.defer import Deferred
+    from synflow.storage.engines import Database, DatabaseConfig
+
+    def write_txn(txn, writer):
+        txn.execute("SELECT COALESCE(MAX(n), 0) FROM counter")
+        (n,) = txn.fetchone()
+        time.sleep(WINDOW_S)
+        txn.execute("INSERT INTO counter (n, writer, at) VALUES (?, ?, ?)",
+                    (n + 1, writer, time.time()))
+
+    async def main(reactor):
+        db = Database(reactor, DatabaseConfig(path=sys.argv[1]))
+        await db.run_interaction("warm_up", lambda txn: None)
+        print("ready", flush=True)
+        for _ in range(int(sys.argv[2])):
+            await db.run_interaction("write", write_txn, "child")
+        await db.close()
+
+    task.react(lambda reactor: Deferred.fromCoroutine(main(reactor)))
+""").replace("WINDOW_S", "0.002")
+
+
+class _Child(protocol.ProcessProtocol):
+    def __init__(self) -> None:
+        self.ready: Deferred[None] = Deferred()
+        self.ended: Deferred[int] = Deferred()
+        self.output = b""
+
+    def outReceived(self, data: bytes) -> None:
+        self.output += data
+        if b"ready" in self.output and not self.ready.called:
+            self.ready.callback(None)
+
+    def errReceived(self, data: bytes) -> None:
+        self.output += data
+
+    def processEnded(self, reason: Any) -> None:
+        if not self.ready.called:
+            self.ready.errback(RuntimeError(f"child exited early: {self.output!r}"))
+        self.ended.callback(reason.value.exitCode)
+
+
+class SqliteTwoProcessTests(TestCase):
+    """Two processes writing one SQLite file."""
+
+    async def test_concurrent_read_modify_write_does_not_deadlock(self) -> None:
+        """Two processes doing read-then-write transactions on one file all succeed, with no lost update."""
+        config = database_config(self, "sqlite")
+        db = Database(reactor, config)
+        self.addCleanup(db.close)
+
+        def schema_txn(txn: Txn) -> None:
+            txn.execute_raw(
+                "CREATE TABLE counter (n INTEGER NOT NULL UNIQUE, writer TEXT NOT NULL, at REAL)"
+            )
+
+        def write_txn(txn: Txn, writer: str) -> None:
+            txn.execute("SELECT COALESCE(MAX(n), 0) FROM counter")
+            row = txn.fetchone()
+            assert row is not None
+            time.sleep(0.002)  # widen the read-to-write window so the processes collide
+            txn.execute("INSERT INTO counter (n, writer, at) VALUES (?, ?, ?)",
+                        (row[0] + 1, writer, time.time()))
+
+        await db.run_interaction("schema", schema_txn)
+        writes = 150
+        child = _Child()
+        root = os.path.dirname(os.path.dirname(os.path.abspath(synflow.__file__)))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+        reactor.spawnProcess(
+            child, sys.executable, [sys.executable, "-c", CHILD_SCRIPT, config.path, str(writes)],
+            env=env,
+        )
+        await child.ready
+        parent_started = time.time()
+        for _ in range(writes):
+            await db.run_interaction("write", write_txn, "parent")
+        self.assertEqual(await child.ended, 0, child.output.decode(errors="replace"))
+
+        def rows_txn(txn: Txn) -> list[tuple[Any, ...]]:
+            txn.execute("SELECT n, writer, at FROM counter ORDER BY n")
+            return txn.fetchall()
+
+        rows = await db.run_interaction("rows", rows_txn)
+        self.assertEqual([n for n, _, _ in rows], list(range(1, 2 * writes + 1)))
+        writers = [w for _, w, _ in rows]
+        self.assertEqual((writers.count("parent"), writers.count("child")), (writes, writes))
+        # The parent was already trying to write while the child still wrote:
+        # the two contended for the lock (whether or not their rows interleave).
+        last_child_write = max(at for _, w, at in rows if w == "child")
+        self.assertLess(parent_started, last_child_write, "the processes never overlapped")
