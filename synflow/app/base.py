@@ -107,7 +107,11 @@ class ProcessService(MultiService):
             self.failure = f"{type(failure.value).__name__}: {failure.value}"
             logger.error("start-up failed:\n%s", failure.getTraceback())
         logger.error("%s %r could not start: %s", self.config.app, self.config.instance_name, self.failure)
-        sys.stderr.write(f"synflow: {self.config.instance_name} could not start: {self.failure}\n")
+        # Under twistd sys.stderr is the log; the operator's terminal is the original stream.
+        for stream in {id(sys.stderr): sys.stderr, id(sys.__stderr__): sys.__stderr__}.values():
+            if stream is not None:
+                stream.write(f"synflow: {self.config.instance_name} could not start: {self.failure}\n")
+                stream.flush()
         self.ready.errback(failure)
         self.ready.addErrback(lambda _: None)
         if self.exit_on_failure and self.reactor.running:

@@ -10,6 +10,8 @@ past a fact the reader had not yet applied.
 
 from __future__ import annotations
 
+import os
+
 from twisted.internet.defer import inlineCallbacks
 from twisted.trial.unittest import TestCase
 
@@ -109,6 +111,26 @@ def check_reader_log(testcase, log: list[dict], facts: dict[str, list[tuple[int,
         testcase.assertEqual(got, expected, f"{writer}: applied facts differ from the committed ones")
 
 
+def check_audit_log(testcase, cluster: Cluster, facts: dict[str, list[tuple[int, str]]]) -> None:
+    """The writers' audit logs record every committed fact as ok, and only rolled-back ones as aborted."""
+    import glob
+
+    for writer in WRITERS:
+        records = []
+        for path in glob.glob(os.path.join(cluster.shared["audit"]["dir"], "writer_logs", writer, "*.jsonl")):
+            records += read_jsonl(path)
+        ok = sorted((r["stream_id"], r["event_id"]) for r in records
+                    if r.get("kind") is None and r["stream"] == "events" and r["outcome"] == "ok")
+        testcase.assertEqual(ok, sorted(facts[writer]), f"{writer}: audit log differs from the database")
+        aborted = [r for r in records if r.get("kind") is None and r["outcome"] == "aborted"]
+        rolled_back = sum(len(r["events"]) for r in read_jsonl(cluster.out_path(writer)) if r["t"] == "rollback")
+        testcase.assertEqual(len([r for r in aborted if r["stream"] == "events"]), rolled_back)
+        for r in records:
+            if r.get("kind") is None:
+                testcase.assertLessEqual(r["reserved_at"], r["completed_at"])
+        testcase.assertTrue(any(r.get("kind") == "position" for r in records))
+
+
 class MultiWriterMixin:
     engine = "sqlite"
     transport = "tcp"
@@ -186,6 +208,9 @@ class MultiWriterMixin:
         yield sleep(0.5)
         for reader in READERS:
             check_reader_log(self, read_jsonl(cluster.out_path(reader)), facts)
+        if not kill_writer:
+            yield sleep(1.0)  # the audit log flushes every 0.5 s
+            check_audit_log(self, cluster, facts)
         # The readers' final vector clock is the writers' own final positions.
         writer_positions = {}
         for w in WRITERS:
