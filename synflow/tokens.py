@@ -95,6 +95,20 @@ class StreamToken:
         return cls(minimum, _canonical(minimum, positions.items()))
 
     @classmethod
+    def with_minimum(cls, minimum: int, positions: Mapping[int, int]) -> StreamToken:
+        """A token with this minimum, listing only the positions above it."""
+        return cls(minimum, _canonical(minimum, positions.items()))
+
+    def ids(self) -> set[int]:
+        """The instance IDs listed explicitly."""
+        return {i for i, _ in self.positions}
+
+    def clamp(self, ceiling: int) -> StreamToken:
+        """Every writer's effective position capped at ``ceiling``."""
+        minimum = min(self.minimum, ceiling)
+        return StreamToken.with_minimum(minimum, {i: min(p, ceiling) for i, p in self.positions})
+
+    @classmethod
     def parse(cls, text: str) -> StreamToken:
         """Parse ``s<N>`` or ``m<min>~<id>.<pos>...``.
 

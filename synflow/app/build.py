@@ -8,7 +8,7 @@ from typing import Any
 
 from twisted.application.service import MultiService
 
-from synflow.app.base import ProcessService
+from synflow.app.apps import SynflowProcess
 from synflow.config import SynflowConfig
 
 
@@ -39,4 +39,4 @@ def setup_logging(config: SynflowConfig) -> None:
 
 def build_service(config: SynflowConfig, reactor: Any, *, exit_on_failure: bool = True) -> MultiService:
     """The process's root service for its ``app``."""
-    return ProcessService(config, reactor, exit_on_failure=exit_on_failure)
+    return SynflowProcess(config, reactor, exit_on_failure=exit_on_failure)

@@ -291,7 +291,7 @@ class Engine(abc.ABC):
     def on_connect(self, conn: Any) -> None:  # noqa: B027 - optional hook
         """Prepare a new connection (adbapi's ``cp_openfun``)."""
 
-    def begin_txn(self, cursor: Any) -> None:  # noqa: B027 - optional hook
+    def begin_txn(self, cursor: Any, read_only: bool = False) -> None:  # noqa: B027 - optional hook
         """Start a transaction on a connection that is idle."""
 
     def set_autocommit(self, conn: Any, on: bool) -> None:  # noqa: B027 - optional hook
@@ -363,8 +363,10 @@ class SqliteEngine(Engine):
         cur.execute("PRAGMA foreign_keys = ON")
         cur.close()
 
-    def begin_txn(self, cursor: Any) -> None:
-        cursor.execute("BEGIN IMMEDIATE")
+    def begin_txn(self, cursor: Any, read_only: bool = False) -> None:
+        # A read-only interaction takes no write lock: concurrent readers in
+        # other processes never wait for each other (WAL gives a snapshot).
+        cursor.execute("BEGIN" if read_only else "BEGIN IMMEDIATE")
 
     def insert_many_txn(
         self, cursor: Any, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]
@@ -587,7 +589,7 @@ class Database:
         self._pool.start()
 
     def run_interaction(self, desc: str, func: Callable[..., Any], *args: Any,
-                        idempotent: bool = False, **kwargs: Any) -> Deferred[Any]:
+                        idempotent: bool = False, read_only: bool = False, **kwargs: Any) -> Deferred[Any]:
         """Run ``func(txn, *args, **kwargs)`` in one transaction on a pool thread.
 
         The transaction commits when ``func`` returns and rolls back when it
@@ -597,6 +599,8 @@ class Database:
         Args:
             desc: a short name of the interaction, for logs and :meth:`stats`.
             func: a synchronous ``_txn`` function.
+            read_only: the function only reads (on SQLite it then takes no
+                write lock, so readers in several processes run concurrently).
             idempotent: when True, a transient error (lost connection, lock
                 timeout, serialization failure) rolls back and reruns ``func``
                 up to :data:`MAX_RETRIES` times, after an exponential backoff
@@ -608,7 +612,7 @@ class Database:
             exception (the driver's own, for database errors).
         """
         def attempt(box: list[Txn]) -> Deferred[Any]:
-            return self._pool.runInteraction(self._interaction_txn, box, desc, func, args, kwargs)
+            return self._pool.runInteraction(self._interaction_txn, box, desc, func, args, kwargs, read_only)
 
         return Deferred.fromCoroutine(self._run(desc, attempt, idempotent))
 
@@ -654,10 +658,10 @@ class Database:
     # -- on a pool thread
 
     def _interaction_txn(self, cursor: Any, box: list[Txn], desc: str, func: Callable[..., Any],
-                         args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+                         args: tuple[Any, ...], kwargs: dict[str, Any], read_only: bool = False) -> Any:
         txn = Txn(cursor, self.engine, desc)
         box.append(txn)
-        self.engine.begin_txn(cursor)
+        self.engine.begin_txn(cursor, read_only)
         return _check_sync(func, func(txn, *args, **kwargs))
 
     def _autocommit_txn(self, conn: Any, box: list[Txn], desc: str, func: Callable[..., Any],

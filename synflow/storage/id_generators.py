@@ -316,9 +316,9 @@ class StreamWriters:
         self.generators = generators
 
     def run_write(
-        self, desc: str, streams: Sequence[str], func: Callable[..., T], *args: Any
+        self, desc: str, streams: Sequence[str], func: Callable[..., T], *args: Any, **kwargs: Any
     ) -> Deferred[T]:
-        """Run ``func(ctx, *args)`` in one transaction that may allocate IDs of ``streams``.
+        """Run ``func(ctx, *args, **kwargs)`` in one transaction that may allocate IDs of ``streams``.
 
         Every ID allocated completes when the transaction is over: as a
         committed fact if it committed, as an aborted one if it rolled back
@@ -332,10 +332,10 @@ class StreamWriters:
         def write_txn(txn: Txn) -> Any:
             ctx.txn = txn
             if not sqlite:
-                return func(ctx, *args)
+                return func(ctx, *args, **kwargs)
             txn.execute("SAVEPOINT stream_write")
             try:
-                result = func(ctx, *args)
+                result = func(ctx, *args, **kwargs)
             except Exception as e:
                 txn.execute("ROLLBACK TO SAVEPOINT stream_write")
                 for stream, ids in ctx.allocated.items():

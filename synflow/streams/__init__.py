@@ -159,8 +159,8 @@ class StreamDef:
         sequence: the PostgreSQL sequence handing out IDs.
         writers: who may write it.
         idle_leaps: whether an idle writer advances its position to the highest
-            ID allocated by anyone (events: yes, so the minimum never stalls;
-            caches: no, its readers do not use a minimum).
+            ID allocated by anyone, so the stream's minimum never stalls behind
+            a quiet writer (the shared cache tier relies on it for caches).
     """
 
     name: str
@@ -207,7 +207,6 @@ CACHES: Final = StreamDef(
     row_from_db=_caches_from_db,
     sequence="caches_stream_seq",
     writers=Writers.ANY,
-    idle_leaps=False,
 )
 
 FEDERATION: Final = StreamDef(

@@ -261,9 +261,11 @@ class WritingTest(SynchronousTestCase):
         self.assertIn(PositionCommand("events", "w1", 5, 90), sent.sent)
         handler.stop()
 
-    def test_caches_do_not_leap(self):
-        """The caches stream never leaps idle writers (its readers use no minimum)."""
-        handler, gen, sent = self._writer(position=5, stream=CACHES)
+    def test_streams_without_leaps_stay(self):
+        """A stream defined without idle leaps keeps an idle writer where it is."""
+        import attrs
+
+        handler, gen, sent = self._writer(position=5, stream=attrs.evolve(CACHES, idle_leaps=False))
         conn = FakeConn()
         handler.new_connection(conn)
         handler.on_command(conn, PositionCommand("caches", "w2", 5, 90))

@@ -14,7 +14,10 @@ CREATE TABLE events (
     origin TEXT NOT NULL,
     prev_event_id TEXT,
     depth BIGINT NOT NULL,
-    received_ts BIGINT NOT NULL
+    received_ts BIGINT NOT NULL,
+    -- For events created here: the remote servers in the room at this event
+    -- (a JSON list), which the federation senders send it to.
+    destinations TEXT
 );
 CREATE INDEX events_room_ordering ON events (room_id, stream_ordering);
 CREATE INDEX events_instance_ordering ON events (instance_name, stream_ordering);

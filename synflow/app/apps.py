@@ -1,0 +1,130 @@
+"""The process types: what each ``app`` serves on top of the common bootstrap.
+
+Every process gets the stores, internal RPC (server on its ``instance_map``
+address, client to the others), the event router and the sync handler; it
+serves ``/health`` and ``/metrics`` on its internal listener and on its
+``metrics`` listener, and the client API on its ``client`` listener.
+
+* ``master`` -- the client API and inbound federation for the server;
+* ``event_persister`` -- persists events for the rooms it owns
+  (``persist_events`` over internal RPC);
+* ``federation_sender`` and ``cache_invalidator`` -- see their modules.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import Any
+
+from twisted.internet.defer import Deferred, succeed
+
+from synflow.app.base import ProcessService
+from synflow.app.services import ListeningService
+from synflow.events.persist import EventPersister, PersistResult
+from synflow.events.router import EventRouter, serve_persist
+from synflow.events.sync import SyncHandler
+from synflow.http.client_api import PREFIX as CLIENT_PREFIX
+from synflow.http.client_api import ClientApi
+from synflow.http.site import HealthResource, build_site
+from synflow.replication.rpc import PREFIX as RPC_PREFIX
+from synflow.replication.rpc import PositionSource, RpcClient, RpcServer
+from synflow.storage.stores import DataStore
+from synflow.tokens import StreamToken
+
+logger = logging.getLogger(__name__)
+
+
+class SynflowProcess(ProcessService):
+    """A synflow process of any app type."""
+
+    store: DataStore
+    rpc_server: RpcServer
+    rpc_client: RpcClient
+    persister: EventPersister | None
+    router: EventRouter
+    sync: SyncHandler
+    client_api: ClientApi | None = None
+    listeners: dict[str, ListeningService]
+
+    async def setup_app(self) -> None:
+        config = self.config
+        assert self.db is not None and self.replication is not None and self.instances is not None
+        handler = self.replication.handler
+        me = config.instance_name
+        self.listeners = {}
+        self.store = DataStore(self.db)
+        positions = PositionSource(handler, config.replication.wait_for_position_timeout_s)
+        secret = config.replication_secret()
+        self.rpc_server = RpcServer(positions, self.reactor, secret)
+        self.rpc_client = RpcClient(self.reactor, config.instance_map, positions, secret)
+        self.persister = None
+        if me in config.event_writers:
+            self.persister = EventPersister(
+                self.replication.writers, server_name=config.server_name, instance_name=me,
+                event_writers=config.event_writers, clock=self.reactor, new_event_id=self.new_event_id,
+            )
+            serve_persist(self.rpc_server, self.persister)
+        self.router = EventRouter(me, config.event_writers, self.persister, self.rpc_client)
+        self.sync = SyncHandler(self.store, handler, self.instances, self.reactor, self.audit)
+        health = HealthResource(self.health_problems, self.health_details)
+        max_body = config.limits.max_request_bytes
+        own = config.instance_map.get(me)
+        if own is not None:
+            self._listen("internal", own.server_endpoint(), build_site({RPC_PREFIX: self.rpc_server}, health=health,
+                                                                       max_body_bytes=max_body))
+        client = config.listener("client")
+        if client is not None:
+            self.client_api = ClientApi(config.server_name, self.store, self.sync, self.router.persist,
+                                        self.event_position, self.reactor, config.limits)
+            self._listen("client", client.endpoint, build_site({CLIENT_PREFIX: self.client_api}, health=health,
+                                                               max_body_bytes=max_body))
+        metrics = config.listener("metrics")
+        if metrics is not None:
+            self._listen("metrics", metrics.endpoint, build_site({}, health=health, max_body_bytes=max_body))
+
+    def _listen(self, name: str, endpoint: str, site: Any) -> None:
+        service = ListeningService(self.reactor, endpoint, site)
+        service.setName(f"listener-{name}")
+        service.setServiceParent(self.app_services)
+        self.listeners[name] = service
+
+    def new_event_id(self) -> str:
+        return f"${secrets.token_urlsafe(18)}:{self.config.server_name}"
+
+    async def event_position(self, result: PersistResult) -> StreamToken:
+        """A sync token just before a persisted event (a sync from it returns the event)."""
+        assert self.instances is not None and result.stream_ordering is not None
+        now, _ = await self.sync.current_token()
+        ids = await self.instances.ids_for([result.instance_name])
+        before = result.stream_ordering - 1
+        positions = dict(now.positions)
+        positions[ids[result.instance_name]] = before
+        return StreamToken.with_minimum(min(now.minimum, before), positions)
+
+    # -- health -------------------------------------------------------------------------
+
+    def health_problems(self) -> list[str]:
+        problems = []
+        if not self.started:
+            problems.append(self.failure or "starting")
+        transport = self.replication.transport if self.replication else None
+        if transport is not None and not getattr(transport, "connected", True):
+            problems.append("not connected to replication")
+        return problems
+
+    def health_details(self) -> dict[str, Any]:
+        details: dict[str, Any] = {"instance": self.config.instance_name, "app": self.config.app}
+        if self.replication is not None:
+            handler = self.replication.handler
+            details["positions"] = {name: handler.positions(name) for name in handler.views}
+        return details
+
+    def stopService(self) -> Deferred[None]:
+        d = super().stopService()
+
+        def close_rpc(result: Any) -> Any:
+            rpc = getattr(self, "rpc_client", None)
+            return rpc.close().addBoth(lambda _: result) if rpc is not None else succeed(result)
+
+        return d.addBoth(close_rpc)

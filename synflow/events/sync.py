@@ -1,0 +1,186 @@
+"""Sync: the events a user can see after a token, and the next token.
+
+A process's view of the events stream is a vector clock (every writer's
+position). ``sync(since)`` returns the user's events whose positions lie in
+``(since, now]`` for each writer, oldest first, and ``next_batch`` = ``now``
+(or, when more than ``limit`` events are pending, the token that covers
+exactly the events returned). Facts completed out of order are never
+skipped: a writer's position only covers facts it has completed, and the
+window is per writer.
+
+If ``since`` is ahead of this process (the client's last sync ran on a
+faster process), the request waits -- bounded by its timeout -- until this
+process has caught up; with nothing new it long-polls until an event in one
+of the user's rooms (or a membership change of the user) arrives.
+
+Every response is recorded in the audit log: reader, since, next_batch,
+delivered event IDs and the rooms the response covered.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import attrs
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorTime
+
+from synflow.audit import AuditLog
+from synflow.errors import HttpApiError, TokenError
+from synflow.replication.handler import ReplicationHandler
+from synflow.storage.instances import InstanceMap
+from synflow.storage.stores import DataStore, SyncEvent
+from synflow.streams import EventsRow
+from synflow.tokens import StreamToken
+from synflow.util import cancel_timer_when_done
+
+logger = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class SyncResult:
+    next_batch: str
+    events: list[SyncEvent]
+    limited: bool
+    rooms: frozenset[str]
+
+
+class _Waiter:
+    def __init__(self, user_id: str, rooms: frozenset[str]) -> None:
+        self.user_id = user_id
+        self.rooms = rooms
+        self.deferred: Deferred[None] = Deferred()
+
+
+class SyncHandler:
+    """Answers sync requests on one process.
+
+    Args:
+        store: reads events and memberships.
+        handler: this process's replication handler (the events positions).
+        instances: instance name <-> ID for tokens.
+        clock: timeouts and timestamps.
+        audit: where tokens issued are recorded.
+    """
+
+    def __init__(self, store: DataStore, handler: ReplicationHandler, instances: InstanceMap,
+                 clock: IReactorTime, audit: AuditLog | None = None) -> None:
+        self.store = store
+        self.handler = handler
+        self.instances = instances
+        self.clock = clock
+        self.audit = audit
+        self._waiters: set[_Waiter] = set()
+        handler.add_row_handler("events", self._on_rows)
+        handler.add_position_listener("events", self._on_position)
+        self._position_waiters: list[Deferred[None]] = []
+
+    # -- notification ----------------------------------------------------------------
+
+    def _on_rows(self, instance: str, token: int, rows: list[EventsRow]) -> None:
+        self._pending_rows = getattr(self, "_pending_rows", []) + rows
+
+    def _on_position(self, instance: str, token: int) -> None:
+        rows: list[EventsRow] = getattr(self, "_pending_rows", [])
+        self._pending_rows = []
+        if rows:
+            rooms = {r.room_id for r in rows}
+            members = {r.state_key for r in rows if r.is_membership}
+            for waiter in list(self._waiters):
+                if waiter.rooms & rooms or waiter.user_id in members:
+                    self._waiters.discard(waiter)
+                    waiter.deferred.callback(None)
+        waiters, self._position_waiters = self._position_waiters, []
+        for d in waiters:
+            d.callback(None)
+
+    # -- tokens --------------------------------------------------------------------------
+
+    async def current_token(self) -> tuple[StreamToken, dict[str, int]]:
+        """This process's events position as a token, and by writer name."""
+        positions = self.handler.positions("events")
+        ids = await self.instances.ids_for(sorted(positions))
+        return StreamToken.from_positions({ids[n]: p for n, p in positions.items()}), positions
+
+    async def parse_token(self, text: str) -> StreamToken:
+        try:
+            token = StreamToken.parse(text)
+        except TokenError as e:
+            raise HttpApiError(400, "M_INVALID_PARAM", f"bad since token: {e}") from None
+        unknown = [i for i, _ in token.positions if i not in self.instances.by_id]
+        if unknown:
+            await self.instances.load()
+            unknown = [i for i, _ in token.positions if i not in self.instances.by_id]
+        if unknown:
+            raise HttpApiError(400, "M_INVALID_PARAM", f"bad since token: unknown instance id {unknown[0]}")
+        return token
+
+    def _by_name(self, token: StreamToken) -> dict[str, int]:
+        return {self.instances.by_id[i]: p for i, p in token.positions}
+
+    # -- sync ----------------------------------------------------------------------------------
+
+    async def sync(self, user_id: str, reader: str, since_text: str | None, timeout_ms: int, limit: int) -> SyncResult:
+        """Events for ``user_id`` after ``since`` (the beginning if None)."""
+        since = await self.parse_token(since_text) if since_text is not None else StreamToken.at(0)
+        deadline = self.clock.seconds() + timeout_ms / 1000.0
+        await self._wait_until_reached(since, deadline)
+        while True:
+            result = await self._sync_once(user_id, since, limit)
+            remaining = deadline - self.clock.seconds()
+            if result.events or remaining <= 0:
+                break
+            await self._wait_for_news(user_id, result.rooms, remaining)
+        if self.audit is not None:
+            self.audit.token(
+                reader=reader, stream="events", since=since_text, token=result.next_batch,
+                delivered=[e.event_id for e in result.events], rooms=result.rooms,
+            )
+        return result
+
+    async def _sync_once(self, user_id: str, since: StreamToken, limit: int) -> SyncResult:
+        rooms = await self.store.get_rooms_for_user(user_id)
+        now, now_by_name = await self.current_token()
+        if not since.is_before_or_eq(now):
+            # Still behind the client's token: answer nothing new, keep its token.
+            return SyncResult(str(since), [], False, rooms)
+        upto = now_by_name
+        events = await self.store.get_events_in_window(
+            sorted(rooms), self._by_name(since), since.minimum, upto, now.minimum, limit + 1
+        )
+        limited = len(events) > limit
+        if limited:
+            # Cover exactly the events returned: every writer up to the last
+            # one's stream ordering (events are ordered by it), never past now.
+            events = events[:limit]
+            next_token = now.clamp(events[-1].stream_ordering).merge(since)
+        else:
+            next_token = now.merge(since)
+        return SyncResult(str(next_token), events, limited, rooms)
+
+    async def _wait_until_reached(self, token: StreamToken, deadline: float) -> None:
+        while True:
+            now, _ = await self.current_token()
+            if token.is_before_or_eq(now):
+                return
+            remaining = deadline - self.clock.seconds()
+            if remaining <= 0:
+                return
+            await self._sleep_until_position(min(remaining, 1.0))
+
+    def _sleep_until_position(self, seconds: float) -> Deferred[None]:
+        d: Deferred[None] = Deferred()
+        self._position_waiters.append(d)
+        call = self.clock.callLater(seconds, lambda: None if d.called else d.callback(None))
+        return cancel_timer_when_done(d, call)
+
+    def _wait_for_news(self, user_id: str, rooms: frozenset[str], seconds: float) -> Deferred[None]:
+        waiter = _Waiter(user_id, rooms)
+        self._waiters.add(waiter)
+
+        def expire() -> None:
+            if waiter in self._waiters:
+                self._waiters.discard(waiter)
+                waiter.deferred.callback(None)
+
+        return cancel_timer_when_done(waiter.deferred, self.clock.callLater(seconds, expire))

@@ -1,0 +1,209 @@
+"""The client API: JSON over HTTP under ``/_synflow/client/v1/``.
+
+===========================================  =========================================
+request                                      response
+===========================================  =========================================
+``POST register {"username"}``               ``{"user_id", "access_token", "device_id"}`` (409 if taken)
+``POST rooms {}``                            ``{"room_id"}`` (the creator is joined)
+``POST rooms/{room}/join {}``                ``{}``
+``POST rooms/{room}/leave {}``               ``{}``
+``POST rooms/{room}/invite {"user_id"}``     ``{}`` (a remote user's server joins the room's destinations)
+``PUT rooms/{room}/send/{type}/{txn_id}``    ``{"event_id", "token"}`` (idempotent per user and txn_id)
+``GET sync?since=&timeout=&limit=&device_id=``  ``{"next_batch", "events", "limited"}``
+===========================================  =========================================
+
+Every request but ``register`` needs ``Authorization: Bearer <access_token>``.
+Writes are routed to the room's event persister (this process, or one
+reached over internal RPC). ``token`` in a send's response is a sync token
+positioned just before the event: a sync with ``since=<token>`` on any process
+returns the event. Errors are ``{"errcode", "error"}`` with the right status.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from twisted.internet.interfaces import IReactorTime
+from twisted.web.server import Request
+
+from synflow.config import LimitsConfig
+from synflow.errors import HttpApiError
+from synflow.events.persist import CREATE, MEMBER, EventSpec, PersistResult
+from synflow.events.sync import SyncHandler
+from synflow.http.server import JsonResource, bearer_token, int_arg, query_arg
+from synflow.storage.stores import DataStore, Requester
+from synflow.tokens import StreamToken
+
+PREFIX = "/_synflow/client/v1"
+_USERNAME = re.compile(r"[a-z0-9._=\-/]{1,64}\Z")
+_ROOM = r"(?P<room_id>![^/]{1,255})"
+_MXID = re.compile(r"@[a-z0-9._=\-/]{1,64}:[A-Za-z0-9.\-:\[\]]{1,255}\Z")
+
+Persist = Callable[[list[EventSpec]], Awaitable[list[PersistResult]]]
+
+
+class TokenBucket:
+    """A per-key token bucket; ``allow`` says whether one more action fits."""
+
+    def __init__(self, rate_per_s: float, burst: int, clock: IReactorTime) -> None:
+        self.rate = rate_per_s
+        self.burst = burst
+        self.clock = clock
+        self._state: dict[str, tuple[float, float]] = {}
+
+    def allow(self, key: str) -> bool:
+        now = self.clock.seconds()
+        tokens, last = self._state.get(key, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - last) * self.rate)
+        if tokens < 1:
+            self._state[key] = (tokens, now)
+            return False
+        self._state[key] = (tokens - 1, now)
+        return True
+
+
+class ClientApi(JsonResource):
+    """The client API of one process.
+
+    Args:
+        server_name: this server.
+        store: users and rooms.
+        sync: the sync handler.
+        persist: routes events to their rooms' persisters.
+        event_position: maps a persisted event to its sync token (just before it).
+        clock: timestamps, rate limits.
+        limits: request limits.
+    """
+
+    def __init__(self, server_name: str, store: DataStore, sync: SyncHandler, persist: Persist,
+                 event_position: Callable[[PersistResult], Awaitable[StreamToken]],
+                 clock: IReactorTime, limits: LimitsConfig) -> None:
+        super().__init__(PREFIX, max_depth=limits.max_json_depth)
+        self.server_name = server_name
+        self.store = store
+        self.sync_handler = sync
+        self.persist = persist
+        self.event_position = event_position
+        self.clock = clock
+        self.limits = limits
+        self.rate = (TokenBucket(limits.rate_limit_per_s, limits.rate_limit_burst, clock)
+                     if limits.rate_limit_per_s else None)
+        self.route("POST", r"/register", self.on_register)
+        self.route("POST", r"/rooms", self.on_create_room)
+        self.route("POST", rf"/rooms/{_ROOM}/join", self.on_join)
+        self.route("POST", rf"/rooms/{_ROOM}/leave", self.on_leave)
+        self.route("POST", rf"/rooms/{_ROOM}/invite", self.on_invite)
+        self.route("PUT", rf"/rooms/{_ROOM}/send/(?P<event_type>[^/]{{1,255}})/(?P<txn_id>[^/]{{1,255}})", self.on_send)
+        self.route("GET", r"/sync", self.on_sync)
+
+    # -- helpers ------------------------------------------------------------------------
+
+    async def auth(self, request: Request) -> Requester:
+        token = bearer_token(request)
+        if token is None:
+            raise HttpApiError(401, "M_MISSING_TOKEN", "missing access token (Authorization: Bearer <token>)")
+        requester = await self.store.get_user_by_access_token(token)
+        if requester is None:
+            raise HttpApiError(401, "M_UNKNOWN_TOKEN", "unknown access token")
+        return requester
+
+    def _rate_limit(self, key: str) -> None:
+        if self.rate is not None and not self.rate.allow(key):
+            raise HttpApiError(429, "M_LIMIT_EXCEEDED", "too many requests; slow down")
+
+    def _now_ms(self) -> int:
+        return int(self.clock.seconds() * 1000)
+
+    def _spec(self, room_id: str, event_type: str, sender: str, content: dict[str, Any],
+              state_key: str | None = None, txn_id: str | None = None) -> EventSpec:
+        return EventSpec(room_id, event_type, sender, content, state_key, self.server_name, self._now_ms(), txn_id)
+
+    async def _persist_one(self, spec: EventSpec) -> PersistResult:
+        (result,) = await self.persist([spec])
+        result.raise_error()
+        return result
+
+    # -- endpoints -----------------------------------------------------------------------
+
+    async def on_register(self, request: Request) -> tuple[int, Any]:
+        body = self.body(request)
+        username = body.get("username")
+        if not isinstance(username, str) or not _USERNAME.match(username):
+            raise HttpApiError(400, "M_INVALID_USERNAME", "username must be 1-64 of a-z 0-9 . _ = - /")
+        self._rate_limit(f"register:{request.getClientAddress().host if request.getClientAddress() else ''}")
+        user_id = f"@{username}:{self.server_name}"
+        token = secrets.token_urlsafe(32)
+        device_id = secrets.token_hex(5).upper()
+        created = await self.store.register_user(user_id, token, device_id, self._now_ms())
+        if not created:
+            raise HttpApiError(409, "M_USER_IN_USE", f"user {user_id} already exists")
+        return 200, {"user_id": user_id, "access_token": token, "device_id": device_id}
+
+    async def on_create_room(self, request: Request) -> tuple[int, Any]:
+        requester = await self.auth(request)
+        self.body(request)
+        self._rate_limit(requester.user_id)
+        room_id = f"!{secrets.token_urlsafe(12)}:{self.server_name}"
+        specs = [
+            self._spec(room_id, CREATE, requester.user_id, {"creator": requester.user_id}, ""),
+            self._spec(room_id, MEMBER, requester.user_id, {"membership": "join"}, requester.user_id),
+        ]
+        results = await self.persist(specs)
+        for result in results:
+            result.raise_error()
+        return 200, {"room_id": room_id}
+
+    async def _membership(self, request: Request, room_id: str, membership: str, target: str | None = None) -> tuple[int, Any]:
+        requester = await self.auth(request)
+        body = self.body(request)
+        self._rate_limit(requester.user_id)
+        if membership == "invite":
+            target = body.get("user_id")
+            if not isinstance(target, str) or not _MXID.match(target):
+                raise HttpApiError(400, "M_INVALID_PARAM", "user_id must be a user ID like @name:server")
+        state_key = target or requester.user_id
+        await self._persist_one(self._spec(room_id, MEMBER, requester.user_id, {"membership": membership}, state_key))
+        return 200, {}
+
+    async def on_join(self, request: Request, room_id: str) -> tuple[int, Any]:
+        return await self._membership(request, room_id, "join")
+
+    async def on_leave(self, request: Request, room_id: str) -> tuple[int, Any]:
+        return await self._membership(request, room_id, "leave")
+
+    async def on_invite(self, request: Request, room_id: str) -> tuple[int, Any]:
+        return await self._membership(request, room_id, "invite")
+
+    async def on_send(self, request: Request, room_id: str, event_type: str, txn_id: str) -> tuple[int, Any]:
+        requester = await self.auth(request)
+        assert request.content is not None
+        request.content.seek(0, 2)
+        if request.content.tell() > self.limits.max_event_bytes:
+            raise HttpApiError(400, "M_TOO_LARGE", f"event content is larger than {self.limits.max_event_bytes} bytes")
+        content = self.body(request)
+        self._rate_limit(requester.user_id)
+        result = await self._persist_one(self._spec(room_id, event_type, requester.user_id, content, txn_id=txn_id))
+        token = await self.event_position(result)
+        return 200, {"event_id": result.event_id, "token": str(token)}
+
+    async def on_sync(self, request: Request) -> tuple[int, Any]:
+        requester = await self.auth(request)
+        since = query_arg(request, "since")
+        timeout = int_arg(request, "timeout", 0, maximum=self.limits.sync_max_timeout_ms)
+        limit = int_arg(request, "limit", self.limits.sync_default_limit, minimum=1, maximum=self.limits.sync_max_limit)
+        device = query_arg(request, "device_id")
+        if device is not None and not re.fullmatch(r"[A-Za-z0-9._\-]{1,64}", device):
+            raise HttpApiError(400, "M_INVALID_PARAM", "device_id must be 1-64 of A-Z a-z 0-9 . _ -")
+        reader = f"{requester.user_id}/{device}" if device else requester.user_id
+        started = time.monotonic()
+        result = await self.sync_handler.sync(requester.user_id, reader, since, timeout, limit)
+        _ = started
+        return 200, {
+            "next_batch": result.next_batch,
+            "events": [e.to_client() for e in result.events],
+            "limited": result.limited,
+        }

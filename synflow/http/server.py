@@ -1,0 +1,285 @@
+"""A small JSON-over-HTTP framework on ``twisted.web`` for every synflow listener.
+
+:class:`JsonResource` routes ``(method, path regex)`` to async handlers that
+return ``(status, json_body)``. Everything untrusted is checked here once:
+
+* bodies over the listener's size limit are refused with 413 before they are
+  buffered (:class:`LimitedRequest` stops storing them);
+* JSON must be UTF-8, an object where one is expected, without NaN/Infinity
+  and no deeper than the nesting limit -- otherwise 400 ``M_NOT_JSON`` /
+  ``M_BAD_JSON``;
+* a handler's :class:`~synflow.errors.HttpApiError` becomes its status with
+  ``{"errcode", "error"}``; anything else is logged and answered with 500
+  ``M_UNKNOWN`` (the process keeps serving).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from twisted.internet.defer import Deferred
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET, Request, Site
+
+from synflow.errors import HttpApiError
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[..., Awaitable[tuple[int, Any]]]
+
+DEFAULT_MAX_BODY = 1024 * 1024
+DEFAULT_MAX_DEPTH = 64
+
+
+class LimitedRequest(Request):
+    """A request that stops buffering a body past its site's limit."""
+
+    too_large = False
+
+    def gotLength(self, length: int | None) -> None:
+        limit = _limit(self)
+        if length is not None and length > limit:
+            self.too_large = True
+        super().gotLength(length if not self.too_large else 0)
+        self._received = 0
+
+    def handleContentChunk(self, data: bytes) -> None:
+        limit = _limit(self)
+        self._received = getattr(self, "_received", 0) + len(data)
+        if self.too_large or self._received > limit:
+            self.too_large = True
+            return
+        super().handleContentChunk(data)
+
+
+def _limit(request: Request) -> int:
+    site = getattr(request.channel, "site", None)
+    return int(getattr(site, "max_body_bytes", DEFAULT_MAX_BODY))
+
+
+class JsonSite(Site):
+    """A Site using :class:`LimitedRequest`, with no access log noise."""
+
+    requestFactory = LimitedRequest
+
+    def __init__(self, resource: Resource, *, max_body_bytes: int = DEFAULT_MAX_BODY, **kwargs: Any) -> None:
+        super().__init__(resource, **kwargs)
+        self.max_body_bytes = max_body_bytes
+
+    def log(self, request: Any) -> None:  # access logs go through stdlib logging at debug
+        logger.debug("%s %s %s", request.method, request.uri, request.code)
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError("number overflows to Infinity")
+    return value
+
+
+def _depth(value: Any, limit: int) -> int:
+    stack = [(value, 1)]
+    deepest = 0
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return depth
+        deepest = max(deepest, depth)
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+    return deepest
+
+
+def parse_json_body(raw: bytes, *, max_depth: int = DEFAULT_MAX_DEPTH, want_object: bool = True) -> Any:
+    """Decode a request body strictly.
+
+    Raises:
+        HttpApiError: 400 M_NOT_JSON for undecodable input, M_BAD_JSON for
+            the wrong shape or too deep nesting.
+    """
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise HttpApiError(400, "M_NOT_JSON", "request body is not UTF-8") from None
+    # Refuse absurd nesting before the recursive decoder sees it.
+    if text.count("[") + text.count("{") > max_depth and _bracket_depth(text) > max_depth:
+        raise HttpApiError(400, "M_BAD_JSON", f"JSON nested deeper than {max_depth} levels")
+    try:
+        value = json.loads(text, parse_constant=_no_constants, parse_float=_finite)
+    except (ValueError, RecursionError) as e:
+        raise HttpApiError(400, "M_NOT_JSON", f"request body is not valid JSON: {e}") from None
+    if _depth(value, max_depth) > max_depth:
+        raise HttpApiError(400, "M_BAD_JSON", f"JSON nested deeper than {max_depth} levels")
+    if want_object and not isinstance(value, dict):
+        raise HttpApiError(400, "M_BAD_JSON", "request body must be a JSON object")
+    return value
+
+
+def _bracket_depth(text: str) -> int:
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def respond_json(request: Request, code: int, body: Any) -> None:
+    """Write a JSON response and finish the request (if still open)."""
+    if request.finished or getattr(request, "_disconnected", False):
+        return
+    data = json.dumps(body, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    request.setResponseCode(code)
+    request.setHeader(b"Content-Type", b"application/json")
+    request.setHeader(b"Content-Length", str(len(data)).encode())
+    request.write(data)
+    request.finish()
+
+
+class JsonResource(Resource):
+    """Routes requests under a prefix to async JSON handlers.
+
+    Args:
+        prefix: the path prefix (e.g. ``/_synflow/client/v1``), matched exactly.
+        max_depth: JSON nesting limit for bodies.
+    """
+
+    isLeaf = True
+
+    def __init__(self, prefix: str = "", *, max_depth: int = DEFAULT_MAX_DEPTH) -> None:
+        super().__init__()
+        self.prefix = prefix.rstrip("/")
+        self.max_depth = max_depth
+        self._routes: list[tuple[bytes, re.Pattern[str], Handler]] = []
+
+    def route(self, method: str, pattern: str, handler: Handler) -> None:
+        """Send ``method`` requests whose path (after the prefix) fully matches ``pattern``."""
+        self._routes.append((method.encode(), re.compile(pattern + r"\Z"), handler))
+
+    def render(self, request: Request) -> Any:
+        d = Deferred.fromCoroutine(self._dispatch(request))
+        d.addErrback(self._unexpected, request)
+        request.notifyFinish().addErrback(lambda _: setattr(request, "_disconnected", True))
+        return NOT_DONE_YET
+
+    def _unexpected(self, failure: Any, request: Request) -> None:
+        logger.error("unhandled error serving %s %s: %s", request.method, request.uri, failure.getTraceback())
+        respond_json(request, 500, {"errcode": "M_UNKNOWN", "error": "internal server error"})
+
+    async def _dispatch(self, request: Request) -> None:
+        try:
+            if getattr(request, "too_large", False):
+                limit = _limit(request)
+                raise HttpApiError(413, "M_TOO_LARGE", f"request body is larger than {limit} bytes")
+            try:
+                path = request.path.decode("utf-8")
+            except UnicodeDecodeError:
+                raise HttpApiError(400, "M_UNRECOGNIZED", "request path is not UTF-8") from None
+            if not path.startswith(self.prefix):
+                raise HttpApiError(404, "M_UNRECOGNIZED", "unrecognized request")
+            # Match on decoded segments ("%21room%3Ahs" is "!room:hs"); a "/"
+            # inside a segment stays encoded so it cannot split a segment.
+            sub = "/".join(
+                _unquote(seg).replace("/", "%2F") for seg in path[len(self.prefix):].split("/")
+            )
+            allowed = False
+            for method, pattern, handler in self._routes:
+                match = pattern.match(sub)
+                if match is None:
+                    continue
+                allowed = True
+                if method != request.method:
+                    continue
+                args = {k: v.replace("%2F", "/") for k, v in match.groupdict().items()}
+                code, body = await handler(request, **args)
+                respond_json(request, code, body)
+                return
+            if allowed:
+                raise HttpApiError(405, "M_UNRECOGNIZED", f"method {request.method.decode()} not allowed here")
+            raise HttpApiError(404, "M_UNRECOGNIZED", "unrecognized request")
+        except HttpApiError as e:
+            respond_json(request, e.code, e.to_json())
+
+    def body(self, request: Request, *, want_object: bool = True) -> Any:
+        """The request's JSON body, strictly parsed (an empty body is ``{}``)."""
+        assert request.content is not None
+        request.content.seek(0)
+        raw = request.content.read()
+        if not raw.strip():
+            return {}
+        return parse_json_body(raw, max_depth=self.max_depth, want_object=want_object)
+
+
+def _unquote(value: str) -> str:
+    from urllib.parse import unquote
+
+    try:
+        return unquote(value, errors="strict")
+    except UnicodeDecodeError:
+        raise HttpApiError(400, "M_UNRECOGNIZED", "request path is not UTF-8") from None
+
+
+def query_arg(request: Request, name: str) -> str | None:
+    """One query-string argument, decoded, or None."""
+    assert request.args is not None
+    values = request.args.get(name.encode())
+    if not values:
+        return None
+    try:
+        return values[0].decode("utf-8")
+    except UnicodeDecodeError:
+        raise HttpApiError(400, "M_INVALID_PARAM", f"query parameter {name!r} is not UTF-8") from None
+
+
+def int_arg(request: Request, name: str, default: int, *, minimum: int = 0, maximum: int | None = None) -> int:
+    """An integer query argument, bounded, or 400 M_INVALID_PARAM."""
+    raw = query_arg(request, name)
+    if raw is None:
+        return default
+    if not re.fullmatch(r"[0-9]{1,12}", raw):
+        raise HttpApiError(400, "M_INVALID_PARAM", f"query parameter {name!r} must be a non-negative integer")
+    value = int(raw)
+    if value < minimum:
+        raise HttpApiError(400, "M_INVALID_PARAM", f"query parameter {name!r} must be at least {minimum}")
+    if maximum is not None:
+        value = min(value, maximum)
+    return value
+
+
+def bearer_token(request: Request) -> str | None:
+    """The token of an ``Authorization: Bearer`` header (only one allowed)."""
+    headers = request.requestHeaders.getRawHeaders(b"authorization") or []
+    if len(headers) > 1:
+        raise HttpApiError(400, "M_BAD_JSON", "more than one Authorization header")
+    if not headers:
+        return None
+    scheme, _, token = headers[0].partition(b" ")
+    if scheme.lower() != b"bearer" or not token.strip():
+        return None
+    try:
+        return token.strip().decode("ascii")
+    except UnicodeDecodeError:
+        return None

@@ -1,0 +1,212 @@
+"""Internal HTTP RPC between synflow processes, with read-your-writes.
+
+``POST /_synflow/internal/<name>/<txn_id>`` on the target's internal listener
+(its ``instance_map`` address). The body is ``{"args": ..., "positions":
+{stream: {instance: position}}}``: the caller's own writer positions. The
+receiver waits (bounded) until it has seen those positions before it runs
+the call, and answers ``{"result": ..., "positions": ...}`` with its own; the
+caller in turn waits until it has seen the receiver's positions before it
+returns. So whatever the caller wrote is visible to the call, and whatever
+the call wrote is visible to the caller afterwards -- on any process.
+
+* When ``replication.secret`` is set, requests need ``Authorization: Bearer
+  <secret>`` (401 otherwise; compared in constant time).
+* The ``txn_id`` makes retries idempotent: the receiver keeps each response
+  for :data:`RESPONSE_CACHE_S` and replays it (or waits for the first
+  attempt still running) instead of running the call again.
+* Connect errors and timeouts are retried with backoff and the same
+  ``txn_id``; an error the receiver answers (``{errcode, error}`` with a
+  status) is raised to the caller as the same :class:`HttpApiError`, so a
+  client sees the persister's 403 as a 403.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import random
+import secrets
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from treq.client import HTTPClient
+from twisted.internet.defer import Deferred
+from twisted.internet.error import ConnectError, ConnectingCancelledError, TimeoutError
+from twisted.internet.interfaces import IReactorTime
+from twisted.web.client import Agent, HTTPConnectionPool, ResponseFailed
+from twisted.web.server import Request
+
+from synflow.backoff import Backoff
+from synflow.config import HostPort
+from synflow.errors import HttpApiError
+from synflow.http.server import JsonResource, bearer_token
+from synflow.metrics import counter
+from synflow.util import observe, sleep
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "/_synflow/internal"
+#: How long a response is kept for replays of the same txn_id (seconds).
+RESPONSE_CACHE_S = 30 * 60.0
+#: Attempts for connect errors / timeouts.
+MAX_ATTEMPTS = 6
+#: Per-request timeout (seconds).
+REQUEST_TIMEOUT_S = 30.0
+
+RPC_CALLS = counter("synflow_rpc_calls_total", "Internal RPC calls made", ["name", "outcome"])
+RPC_SERVED = counter("synflow_rpc_served_total", "Internal RPC calls served", ["name", "outcome"])
+
+Positions = dict[str, dict[str, int]]
+
+
+class PositionSource:
+    """What RPC needs of the replication handler."""
+
+    def __init__(self, handler: Any, wait_timeout_s: float = 5.0) -> None:
+        self.handler = handler
+        self.wait_timeout_s = wait_timeout_s
+
+    def own_positions(self) -> Positions:
+        me = self.handler.instance_name
+        return {name: {me: gen.position} for name, gen in self.handler.generators.items()}
+
+    async def wait_for(self, positions: Mapping[str, Mapping[str, int]]) -> None:
+        for stream, by_writer in positions.items():
+            if stream not in self.handler.views:
+                continue
+            for instance, pos in by_writer.items():
+                if not isinstance(pos, int):
+                    raise HttpApiError(400, "M_BAD_JSON", "stream positions must be integers")
+                await self.handler.wait_for_position(stream, instance, pos, self.wait_timeout_s)
+
+
+class RpcServer(JsonResource):
+    """Serves the internal RPC endpoints of one process.
+
+    Args:
+        positions: this process's positions (and how to wait for others').
+        clock: expires cached responses.
+        secret: the shared replication secret, if one is configured.
+    """
+
+    def __init__(self, positions: PositionSource, clock: IReactorTime, secret: str | None) -> None:
+        super().__init__(PREFIX)
+        self.positions = positions
+        self.clock = clock
+        self.secret = secret
+        self.methods: dict[str, Callable[[Any], Awaitable[Any]]] = {}
+        self._responses: dict[str, Deferred[tuple[int, Any]]] = {}
+        self.route("POST", r"/(?P<name>[a-z_]+)/(?P<txn_id>[A-Za-z0-9_-]{1,64})", self._on_call)
+
+    def register(self, name: str, method: Callable[[Any], Awaitable[Any]]) -> None:
+        """Serve ``name``: ``method(args)`` returns the JSON result."""
+        self.methods[name] = method
+
+    async def _on_call(self, request: Request, name: str, txn_id: str) -> tuple[int, Any]:
+        if self.secret is not None:
+            token = bearer_token(request)
+            if token is None or not hmac.compare_digest(token.encode(), self.secret.encode()):
+                RPC_SERVED.labels(name=name, outcome="unauthorized").inc()
+                raise HttpApiError(401, "M_UNAUTHORIZED", "internal RPC requires the replication secret")
+        method = self.methods.get(name)
+        if method is None:
+            raise HttpApiError(404, "M_UNRECOGNIZED", f"no internal method {name!r} on this process")
+        body = self.body(request)
+        key = f"{name}/{txn_id}"
+        cached = self._responses.get(key)
+        if cached is None:
+            cached = self._responses[key] = Deferred.fromCoroutine(self._run(name, method, body))
+            self.clock.callLater(RESPONSE_CACHE_S, self._responses.pop, key, None)
+        code, result = await observe(cached)
+        return code, result
+
+    async def _run(self, name: str, method: Callable[[Any], Awaitable[Any]], body: dict[str, Any]) -> tuple[int, Any]:
+        try:
+            positions = body.get("positions") or {}
+            if not isinstance(positions, dict) or not all(isinstance(v, dict) for v in positions.values()):
+                raise HttpApiError(400, "M_BAD_JSON", "positions must map streams to {instance: position}")
+            await self.positions.wait_for(positions)
+            result = await method(body.get("args", {}))
+        except HttpApiError as e:
+            RPC_SERVED.labels(name=name, outcome=str(e.code)).inc()
+            return e.code, {**e.to_json(), "positions": self.positions.own_positions()}
+        except Exception:
+            logger.exception("internal RPC %s failed", name)
+            RPC_SERVED.labels(name=name, outcome="500").inc()
+            return 500, {"errcode": "M_UNKNOWN", "error": f"{name} failed on this process",
+                         "positions": self.positions.own_positions()}
+        RPC_SERVED.labels(name=name, outcome="ok").inc()
+        return 200, {"result": result, "positions": self.positions.own_positions()}
+
+
+class RpcClient:
+    """Calls other processes' internal RPC methods.
+
+    Args:
+        reactor: for treq and the clock.
+        instance_map: each instance's internal listener address.
+        positions: this process's positions (sent along; the answer's awaited).
+        secret: the shared replication secret, if configured.
+        backoff: delays between retries of connect errors.
+        rng: jitter.
+    """
+
+    def __init__(self, reactor: Any, instance_map: Mapping[str, HostPort], positions: PositionSource,
+                 secret: str | None = None, *, backoff: Backoff | None = None,
+                 rng: random.Random | None = None, http: Any = None, timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+        self.reactor = reactor
+        self.instance_map = dict(instance_map)
+        self.positions = positions
+        self.secret = secret
+        self.backoff = backoff or Backoff(initial_s=0.1, multiplier=2.0, max_s=2.0, jitter=0.1)
+        self.rng = rng or random.Random()
+        self.timeout_s = timeout_s
+        self.pool = HTTPConnectionPool(reactor, persistent=True)
+        self.pool.maxPersistentPerHost = 8
+        self.http = http if http is not None else HTTPClient(Agent(reactor, pool=self.pool))
+
+    def close(self) -> Deferred[None]:
+        return self.pool.closeCachedConnections()
+
+    async def call(self, instance: str, name: str, args: Any) -> Any:
+        """Call ``name`` on ``instance``; returns its result or raises its HttpApiError."""
+        address = self.instance_map.get(instance)
+        if address is None:
+            raise HttpApiError(502, "M_UNKNOWN", f"instance {instance!r} is not in instance_map")
+        txn_id = secrets.token_urlsafe(12)
+        url = f"http://{address.host}:{address.port}{PREFIX}/{name}/{txn_id}"
+        body = json.dumps({"args": args, "positions": self.positions.own_positions()}).encode()
+        headers: dict[bytes | str, list[bytes | str]] = {b"Content-Type": [b"application/json"]}
+        if self.secret is not None:
+            headers[b"Authorization"] = [b"Bearer " + self.secret.encode()]
+        last_error: Exception | None = None
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            try:
+                response = await self.http.post(url, data=body, headers=headers, timeout=self.timeout_s)
+                content = await response.content()
+            except (ConnectError, ConnectingCancelledError, TimeoutError, ResponseFailed) as e:
+                last_error = e
+                delay = self.backoff.delay(attempt, self.rng)
+                logger.info("RPC %s to %s failed (%s); retry %d in %.2fs", name, instance, type(e).__name__, attempt, delay)
+                await sleep(self.reactor, delay)
+                continue
+            return await self._finish(instance, name, response.code, content)
+        RPC_CALLS.labels(name=name, outcome="unreachable").inc()
+        raise HttpApiError(502, "M_UNKNOWN", f"failed to talk to {instance!r} ({type(last_error).__name__})")
+
+    async def _finish(self, instance: str, name: str, code: int, content: bytes) -> Any:
+        try:
+            data = json.loads(content)
+        except ValueError:
+            RPC_CALLS.labels(name=name, outcome="bad_response").inc()
+            raise HttpApiError(502, "M_UNKNOWN", f"{instance!r} answered {code} with a non-JSON body") from None
+        positions = data.get("positions") if isinstance(data, dict) else None
+        if isinstance(positions, dict):
+            await self.positions.wait_for(positions)
+        if code != 200:
+            RPC_CALLS.labels(name=name, outcome=str(code)).inc()
+            extra = {k: v for k, v in data.items() if k not in ("errcode", "error", "positions")}
+            raise HttpApiError(code, data.get("errcode", "M_UNKNOWN"), data.get("error", f"{instance} failed"), **extra)
+        RPC_CALLS.labels(name=name, outcome="ok").inc()
+        return data.get("result")

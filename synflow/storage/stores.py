@@ -1,0 +1,174 @@
+"""Reads and simple writes of users, rooms and events (everything but persisting events).
+
+Users and access tokens are plain rows any process may write (registration
+is not a stream). Access tokens are stored as SHA-256 hashes and compared in
+constant time. Sync reads events by vector-clock window: for each writer the
+rows with a stream ordering in ``(since, upto]``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+from twisted.internet.defer import Deferred
+
+from synflow.storage.engines import Database, Txn
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+@attrs.frozen
+class Requester:
+    """An authenticated client."""
+
+    user_id: str
+    device_id: str | None
+
+
+@attrs.frozen
+class SyncEvent:
+    stream_ordering: int
+    instance_name: str
+    event_id: str
+    room_id: str
+    type: str
+    state_key: str | None
+    sender: str
+    content: dict[str, Any]
+    origin_server_ts: int
+
+    def to_client(self) -> dict[str, Any]:
+        event: dict[str, Any] = {
+            "event_id": self.event_id, "room_id": self.room_id, "type": self.type, "sender": self.sender,
+            "content": self.content, "origin_server_ts": self.origin_server_ts,
+        }
+        if self.state_key is not None:
+            event["state_key"] = self.state_key
+        return event
+
+
+class DataStore:
+    """Users, tokens, rooms and event reads over one database."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    # -- users ---------------------------------------------------------------------
+
+    def register_user(self, user_id: str, token: str, device_id: str, now_ms: int) -> Deferred[bool]:
+        """Create a user with a first access token; False if the user exists."""
+        return self.db.run_interaction("register_user", self._register_txn, user_id, hash_token(token), device_id, now_ms)
+
+    @staticmethod
+    def _register_txn(txn: Txn, user_id: str, token_hash: str, device_id: str, now_ms: int) -> bool:
+        txn.execute("SELECT 1 FROM users WHERE user_id = ?", (user_id,))
+        if txn.fetchone() is not None:
+            return False
+        txn.execute("INSERT INTO users (user_id, created_ts) VALUES (?, ?)", (user_id, now_ms))
+        txn.execute(
+            "INSERT INTO access_tokens (token_hash, user_id, device_id, created_ts) VALUES (?, ?, ?, ?)",
+            (token_hash, user_id, device_id, now_ms),
+        )
+        return True
+
+    def get_user_by_access_token(self, token: str) -> Deferred[Requester | None]:
+        """The user an access token belongs to, or None."""
+        return self.db.run_interaction("get_user_by_access_token", self._user_by_token_txn, hash_token(token),
+                                       read_only=True, idempotent=True)
+
+    @staticmethod
+    def _user_by_token_txn(txn: Txn, token_hash: str) -> Requester | None:
+        txn.execute("SELECT token_hash, user_id, device_id FROM access_tokens WHERE token_hash = ?", (token_hash,))
+        row = txn.fetchone()
+        if row is None or not hmac.compare_digest(row[0], token_hash):
+            return None
+        return Requester(row[1], row[2])
+
+    # -- rooms ---------------------------------------------------------------------------
+
+    def get_rooms_for_user(self, user_id: str) -> Deferred[frozenset[str]]:
+        """Rooms the user is joined to now."""
+        return self.db.run_interaction("get_rooms_for_user", self._rooms_for_user_txn, user_id,
+                                       read_only=True, idempotent=True)
+
+    @staticmethod
+    def _rooms_for_user_txn(txn: Txn, user_id: str) -> frozenset[str]:
+        txn.execute("SELECT room_id FROM room_memberships WHERE user_id = ? AND membership = 'join'", (user_id,))
+        return frozenset(r[0] for r in txn.fetchall())
+
+    def get_membership(self, room_id: str, user_id: str) -> Deferred[str | None]:
+        return self.db.run_interaction("get_membership", self._membership_txn, room_id, user_id,
+                                       read_only=True, idempotent=True)
+
+    @staticmethod
+    def _membership_txn(txn: Txn, room_id: str, user_id: str) -> str | None:
+        txn.execute("SELECT membership FROM room_memberships WHERE room_id = ? AND user_id = ?", (room_id, user_id))
+        row = txn.fetchone()
+        return row[0] if row else None
+
+    def room_exists(self, room_id: str) -> Deferred[bool]:
+        return self.db.run_interaction("room_exists", self._room_exists_txn, room_id, read_only=True, idempotent=True)
+
+    @staticmethod
+    def _room_exists_txn(txn: Txn, room_id: str) -> bool:
+        txn.execute("SELECT 1 FROM rooms WHERE room_id = ?", (room_id,))
+        return txn.fetchone() is not None
+
+    # -- events for sync ---------------------------------------------------------------------
+
+    def get_events_in_window(
+        self,
+        rooms: Sequence[str],
+        since: Mapping[str, int],
+        since_default: int,
+        upto: Mapping[str, int],
+        upto_default: int,
+        limit: int,
+    ) -> Deferred[list[SyncEvent]]:
+        """Events of ``rooms`` after ``since`` and up to ``upto``, oldest first.
+
+        ``since``/``upto`` map writer names to positions; a writer missing
+        from them is at the ``*_default`` (the token minimum).
+        """
+        return self.db.run_interaction(
+            "get_events_in_window", self._window_txn, list(rooms), dict(since), since_default, dict(upto),
+            upto_default, limit, read_only=True, idempotent=True,
+        )
+
+    @staticmethod
+    def _window_txn(txn: Txn, rooms: list[str], since: dict[str, int], since_default: int,
+                    upto: dict[str, int], upto_default: int, limit: int) -> list[SyncEvent]:
+        if not rooms:
+            return []
+        writers = sorted(set(since) | set(upto))
+        clauses = []
+        args: list[Any] = []
+        for writer in writers:
+            lo, hi = since.get(writer, since_default), upto.get(writer, upto_default)
+            if hi > lo:
+                clauses.append("(instance_name = ? AND stream_ordering > ? AND stream_ordering <= ?)")
+                args += [writer, lo, hi]
+        if upto_default > since_default:
+            marks = ", ".join("?" for _ in writers) or "''"
+            clauses.append(f"(instance_name NOT IN ({marks}) AND stream_ordering > ? AND stream_ordering <= ?)")
+            args += [*writers, since_default, upto_default]
+        if not clauses:
+            return []
+        room_marks = ", ".join("?" for _ in rooms)
+        txn.execute(
+            "SELECT stream_ordering, instance_name, event_id, room_id, type, state_key, sender, content, "
+            f"origin_server_ts FROM events WHERE room_id IN ({room_marks}) AND ({' OR '.join(clauses)}) "
+            "ORDER BY stream_ordering LIMIT ?",
+            (*rooms, *args, limit),
+        )
+        return [
+            SyncEvent(int(r[0]), r[1], r[2], r[3], r[4], r[5], r[6], json.loads(r[7]), int(r[8]))
+            for r in txn.fetchall()
+        ]
