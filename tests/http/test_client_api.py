@@ -10,7 +10,7 @@ from twisted.trial.unittest import TestCase
 
 from synflow.app.build import build_service
 from synflow.config import load_config
-from tests.client import ApiError, Client, new_pool
+from synflow.tools.client import ApiError, Client, new_pool
 
 
 def _as_deferred(f):

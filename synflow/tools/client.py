@@ -1,4 +1,4 @@
-"""A small client for synflow's client API, for tests and tools (treq, real HTTP)."""
+"""A small asynchronous client for synflow's client API (treq, real HTTP), for tools and tests."""
 
 from __future__ import annotations
 

@@ -1,0 +1,270 @@
+"""A client workload against a running deployment, and the check of what it got back.
+
+:class:`Workload` registers users, creates rooms with several members, then
+sends messages through the client API of several processes while every user
+runs a chain of syncs (each ``since`` the previous ``next_batch``, against a
+random process). :meth:`Workload.verify` checks, from the responses alone,
+that each user's chain received every message of their rooms exactly once,
+with no gaps, and that every user saw each room's messages in the same
+order. It measures send latency and send -> visible-in-sync latency.
+
+Used by the main job (``scripts/demo``), the integration tests and the
+benchmarks.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+from twisted.internet import reactor
+from twisted.internet.defer import DeferredSemaphore, ensureDeferred, gatherResults
+from twisted.internet.task import deferLater
+
+from synflow.tools.client import ApiError, Client, new_pool
+
+
+@attrs.define
+class UserState:
+    client: Client
+    rooms: set[str] = attrs.Factory(set)
+    since: str | None = None
+    delivered: list[tuple[str, str]] = attrs.Factory(list)  # (room_id, event_id)
+    syncs: int = 0
+    errors: int = 0
+
+
+@attrs.define
+class Report:
+    users: int
+    rooms: int
+    sent: int
+    send_errors: int
+    lost: int
+    duplicated: int
+    order_mismatches: int
+    foreign: int
+    sync_requests: int
+    send_seconds: float
+    events_per_s: float
+    send_latency_ms: dict[str, float]
+    visible_latency_ms: dict[str, float]
+    latencies_ms: list[float]
+
+    @property
+    def ok(self) -> bool:
+        return self.lost == 0 and self.duplicated == 0 and self.order_mismatches == 0 and self.foreign == 0
+
+    def as_dict(self) -> dict[str, Any]:
+        d = attrs.asdict(self)
+        d.pop("latencies_ms")
+        d["ok"] = self.ok
+        return d
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": 0.0, "p95": 0.0, "p99": 0.0, "max": 0.0}
+    ordered = sorted(values)
+
+    def pick(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return {"p50": pick(0.50), "p95": pick(0.95), "p99": pick(0.99), "max": ordered[-1]}
+
+
+class Workload:
+    """Drives users, rooms, messages and sync chains against client API URLs.
+
+    Args:
+        urls: base URLs of processes with a client listener.
+        users / rooms / members_per_room / messages: the size of the workload.
+        concurrency: sends in flight at once.
+        seed: makes the workload reproducible.
+        progress: called as ``progress(done, total)`` while sending.
+        name_prefix: distinguishes users of several workloads on one server.
+    """
+
+    def __init__(self, urls: list[str], *, users: int = 20, rooms: int = 40, members_per_room: int = 4,
+                 messages: int = 1000, concurrency: int = 16, seed: int = 1,
+                 progress: Callable[[int, int], None] | None = None, name_prefix: str = "u",
+                 sync_timeout_ms: int = 2000, remote_invites: list[str] | None = None) -> None:
+        self.urls = urls
+        self.n_users = users
+        self.n_rooms = rooms
+        self.members_per_room = members_per_room
+        self.n_messages = messages
+        self.concurrency = concurrency
+        self.rng = random.Random(seed)
+        self.progress = progress
+        self.name_prefix = name_prefix
+        self.sync_timeout_ms = sync_timeout_ms
+        self.remote_invites = remote_invites or []
+        self.pool = new_pool()
+        self.users: list[UserState] = []
+        self.rooms: dict[str, list[UserState]] = {}
+        self.sent: dict[str, list[str]] = {}  # room -> event ids, in send-completion order
+        self.sent_at: dict[str, float] = {}
+        self.visible_at: dict[str, float] = {}
+        self.send_latencies: list[float] = []
+        self.send_errors = 0
+        self.send_seconds = 0.0
+        self._stop_syncing = False
+
+    def url(self) -> str:
+        return self.rng.choice(self.urls)
+
+    async def close(self) -> None:
+        await self.pool.closeCachedConnections()
+
+    # -- set-up ------------------------------------------------------------------------
+
+    async def setup(self) -> None:
+        """Register the users, create the rooms and join their members."""
+        sem = DeferredSemaphore(self.concurrency)
+        for i in range(self.n_users):
+            self.users.append(UserState(Client(self.url(), self.pool)))
+        await gatherResults([
+            sem.run(lambda u=u, i=i: ensureDeferred(u.client.register(f"{self.name_prefix}{i}")))
+            for i, u in enumerate(self.users)
+        ])
+        for _ in range(self.n_rooms):
+            members = self.rng.sample(self.users, min(self.members_per_room, len(self.users)))
+            room_id = await members[0].client.at(self.url()).create_room()
+            self.rooms[room_id] = members
+            self.sent[room_id] = []
+            for member in members:
+                member.rooms.add(room_id)
+        await gatherResults([
+            sem.run(lambda m=m, r=r: ensureDeferred(m.client.at(self.url()).join(r)))
+            for r, ms in self.rooms.items() for m in ms[1:]
+        ])
+        for remote in self.remote_invites:
+            await gatherResults([
+                sem.run(lambda ms=ms, r=r: ensureDeferred(ms[0].client.at(self.url()).invite(r, remote)))
+                for r, ms in self.rooms.items()
+            ])
+
+    # -- traffic -------------------------------------------------------------------------
+
+    async def send_messages(self, rate_per_s: float | None = None) -> None:
+        """Send the messages (optionally at a fixed offered rate), recording latencies."""
+        sem = DeferredSemaphore(self.concurrency)
+        rooms = list(self.rooms)
+        started = time.monotonic()
+        done = [0]
+        jobs = []
+        for n in range(self.n_messages):
+            room_id = self.rng.choice(rooms)
+            sender = self.rng.choice(self.rooms[room_id])
+            url = self.url()
+            if rate_per_s:
+                delay = started + n / rate_per_s - time.monotonic()
+                if delay > 0:
+                    await deferLater(reactor, delay, lambda: None)
+            jobs.append(sem.run(lambda r=room_id, s=sender, u=url, n=n: ensureDeferred(self._send(r, s, u, n, done))))
+        await gatherResults(jobs)
+        self.send_seconds = time.monotonic() - started
+
+    async def _send(self, room_id: str, sender: UserState, url: str, n: int, done: list[int]) -> None:
+        t0 = time.monotonic()
+        txn = f"{self.name_prefix}-{n}"
+        for attempt in range(5):
+            try:
+                result = await sender.client.at(url).send(room_id, {"body": f"message {n}", "n": n}, txn)
+                break
+            except ApiError as e:
+                if e.code < 500 and e.code != 429:
+                    self.send_errors += 1
+                    return
+            except Exception:
+                pass
+            await deferLater(reactor, 0.2 * (attempt + 1), lambda: None)
+        else:
+            self.send_errors += 1
+            return
+        now = time.monotonic()
+        self.send_latencies.append((now - t0) * 1000)
+        self.sent[room_id].append(result["event_id"])
+        self.sent_at[result["event_id"]] = t0
+        done[0] += 1
+        if self.progress is not None:
+            self.progress(done[0], self.n_messages)
+
+    # -- sync chains ----------------------------------------------------------------------
+
+    async def sync_chains(self) -> None:
+        """Run every user's sync chain until :meth:`stop_syncing`."""
+        await gatherResults([ensureDeferred(self._chain(u)) for u in self.users])
+
+    def stop_syncing(self) -> None:
+        self._stop_syncing = True
+
+    async def _chain(self, user: UserState) -> None:
+        while not self._stop_syncing:
+            await self.sync_once(user, self.sync_timeout_ms)
+
+    async def sync_once(self, user: UserState, timeout_ms: int = 0) -> int:
+        try:
+            result = await user.client.at(self.url()).sync(since=user.since, timeout_ms=timeout_ms)
+        except Exception:
+            user.errors += 1
+            await deferLater(reactor, 0.2, lambda: None)
+            return 0
+        now = time.monotonic()
+        user.syncs += 1
+        for event in result["events"]:
+            if event["type"] == "m.room.message":
+                user.delivered.append((event["room_id"], event["event_id"]))
+                self.visible_at.setdefault(event["event_id"], now)
+        user.since = result["next_batch"]
+        return len(result["events"])
+
+    async def drain(self, quiet_rounds: int = 2, timeout_s: float = 120) -> None:
+        """Sync every chain until it has every message sent to its rooms (or time runs out)."""
+        deadline = time.monotonic() + timeout_s
+        for user in self.users:
+            expected = sum(len(self.sent[r]) for r in user.rooms)
+            while time.monotonic() < deadline:
+                got = len(user.delivered)
+                if got >= expected:
+                    # One more round to catch duplicates arriving late.
+                    await self.sync_once(user, 0)
+                    break
+                await self.sync_once(user, 500)
+
+    # -- verification ------------------------------------------------------------------------
+
+    def verify(self) -> Report:
+        lost = duplicated = mismatches = foreign = 0
+        room_orders: dict[str, list[str]] = {}
+        for user in self.users:
+            by_room: dict[str, list[str]] = {}
+            for room_id, event_id in user.delivered:
+                by_room.setdefault(room_id, []).append(event_id)
+            for room_id, got in by_room.items():
+                if room_id not in user.rooms:
+                    foreign += len(got)
+                    continue
+                duplicated += len(got) - len(set(got))
+                first = room_orders.setdefault(room_id, got)
+                if first is not got and [e for e in got if e in set(first)] != [e for e in first if e in set(got)]:
+                    mismatches += 1
+            for room_id in user.rooms:
+                missing = set(self.sent[room_id]) - set(by_room.get(room_id, []))
+                lost += len(missing)
+        visible = [
+            (self.visible_at[e] - self.sent_at[e]) * 1000 for e in self.sent_at if e in self.visible_at
+        ]
+        sent = sum(len(v) for v in self.sent.values())
+        return Report(
+            users=len(self.users), rooms=len(self.rooms), sent=sent, send_errors=self.send_errors,
+            lost=lost, duplicated=duplicated, order_mismatches=mismatches, foreign=foreign,
+            sync_requests=sum(u.syncs for u in self.users), send_seconds=self.send_seconds,
+            events_per_s=sent / self.send_seconds if self.send_seconds else 0.0,
+            send_latency_ms=percentiles(self.send_latencies), visible_latency_ms=percentiles(visible),
+            latencies_ms=visible,
+        )
