@@ -39,7 +39,7 @@ class Client:
 
     async def request(self, method: str, path: str, body: Any = None, raw: bytes | None = None,
                       headers: dict | None = None, timeout: float = 60) -> Any:
-        hdrs = {b"Content-Type": [b"application/json"]}
+        hdrs: dict[bytes | str, list[bytes | str]] = {b"Content-Type": [b"application/json"]}
         if self.token is not None:
             hdrs[b"Authorization"] = [b"Bearer " + self.token.encode()]
         if headers:

@@ -76,6 +76,10 @@ def percentiles(values: list[float]) -> dict[str, float]:
     return {"p50": pick(0.50), "p95": pick(0.95), "p99": pick(0.99), "max": ordered[-1]}
 
 
+def _deferred(coro: Any) -> Any:
+    return ensureDeferred(coro)
+
+
 class Workload:
     """Drives users, rooms, messages and sync chains against client API URLs.
 
@@ -128,8 +132,7 @@ class Workload:
         for i in range(self.n_users):
             self.users.append(UserState(Client(self.url(), self.pool)))
         await gatherResults([
-            sem.run(lambda u=u, i=i: ensureDeferred(u.client.register(f"{self.name_prefix}{i}")))
-            for i, u in enumerate(self.users)
+            sem.run(_deferred, u.client.register(f"{self.name_prefix}{i}")) for i, u in enumerate(self.users)
         ])
         for _ in range(self.n_rooms):
             members = self.rng.sample(self.users, min(self.members_per_room, len(self.users)))
@@ -139,13 +142,11 @@ class Workload:
             for member in members:
                 member.rooms.add(room_id)
         await gatherResults([
-            sem.run(lambda m=m, r=r: ensureDeferred(m.client.at(self.url()).join(r)))
-            for r, ms in self.rooms.items() for m in ms[1:]
+            sem.run(_deferred, m.client.at(self.url()).join(r)) for r, ms in self.rooms.items() for m in ms[1:]
         ])
         for remote in self.remote_invites:
             await gatherResults([
-                sem.run(lambda ms=ms, r=r: ensureDeferred(ms[0].client.at(self.url()).invite(r, remote)))
-                for r, ms in self.rooms.items()
+                sem.run(_deferred, ms[0].client.at(self.url()).invite(r, remote)) for r, ms in self.rooms.items()
             ])
 
     # -- traffic -------------------------------------------------------------------------
@@ -165,7 +166,7 @@ class Workload:
                 delay = started + n / rate_per_s - time.monotonic()
                 if delay > 0:
                     await deferLater(reactor, delay, lambda: None)
-            jobs.append(sem.run(lambda r=room_id, s=sender, u=url, n=n: ensureDeferred(self._send(r, s, u, n, done))))
+            jobs.append(sem.run(_deferred, self._send(room_id, sender, url, n, done)))
         await gatherResults(jobs)
         self.send_seconds = time.monotonic() - started
 
