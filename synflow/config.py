@@ -170,12 +170,15 @@ class LimitsConfig:
     sync_max_limit: int = 1000
 
 
+RESOURCES = ("client", "federation", "metrics")
+
+
 @attrs.frozen
 class Listener:
-    """One HTTP listener of this process."""
+    """One HTTP listener of this process: an endpoint and what it serves."""
 
-    type: Literal["client", "federation", "internal", "metrics"]
     endpoint: str
+    resources: list[Literal["client", "federation", "metrics"]]
 
 
 @attrs.frozen
@@ -214,9 +217,9 @@ class SynflowConfig:
         return _secret(self.replication.secret, self.replication.secret_file)
 
     def listener(self, kind: str) -> Listener | None:
-        """This process's listener of one type, if it has one."""
+        """This process's listener serving ``kind``, if it has one."""
         for listener in self.listeners:
-            if listener.type == kind:
+            if kind in listener.resources:
                 return listener
         return None
 
@@ -461,9 +464,12 @@ def validate(config: SynflowConfig, origins: Mapping[str, str]) -> None:
         raise config_error(origins, "replication.ping_timeout_s", "must be longer than replication.ping_interval_s")
     if not 0 < config.replication.high_water <= config.replication.hard_limit:
         raise config_error(origins, "replication.high_water", "need 0 < high_water <= hard_limit")
-    for kind in ("client", "federation", "internal", "metrics"):
-        if sum(1 for listener in config.listeners if listener.type == kind) > 1:
-            raise config_error(origins, "listeners", f"more than one {kind!r} listener")
+    for kind in RESOURCES:
+        if sum(1 for listener in config.listeners if kind in listener.resources) > 1:
+            raise config_error(origins, "listeners", f"more than one listener serves {kind!r}")
+    for i, listener in enumerate(config.listeners):
+        if not listener.resources:
+            raise config_error(origins, f"listeners[{i}].resources", "lists nothing to serve")
     if config.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise config_error(origins, "log_level", f"must be DEBUG, INFO, WARNING or ERROR, got {config.log_level!r}")
     for name, url in config.federation.destinations.items():
@@ -504,11 +510,6 @@ def _check_ports(config: SynflowConfig, origins: Mapping[str, str]) -> None:
         seen[port] = key
 
     for i, listener in enumerate(config.listeners):
-        if listener.type == "internal":
-            raise config_error(
-                origins, f"listeners[{i}]",
-                "the internal listener comes from instance_map; do not list it under listeners",
-            )
         port = listener_port(listener.endpoint)
         if port is None and not listener.endpoint.startswith(("unix:", "tcp:0", "tcp:port=0")):
             raise config_error(origins, f"listeners[{i}].endpoint", f"not a server endpoint description: {listener.endpoint!r}")

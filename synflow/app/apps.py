@@ -73,21 +73,30 @@ class SynflowProcess(ProcessService):
         if own is not None:
             self._listen("internal", own.server_endpoint(), build_site({RPC_PREFIX: self.rpc_server}, health=health,
                                                                        max_body_bytes=max_body))
-        client = config.listener("client")
-        if client is not None:
+        if config.listener("client") is not None:
             self.client_api = ClientApi(config.server_name, self.store, self.sync, self.router.persist,
                                         self.event_position, self.reactor, config.limits)
-            self._listen("client", client.endpoint, build_site({CLIENT_PREFIX: self.client_api}, health=health,
-                                                               max_body_bytes=max_body))
-        metrics = config.listener("metrics")
-        if metrics is not None:
-            self._listen("metrics", metrics.endpoint, build_site({}, health=health, max_body_bytes=max_body))
+        for listener in config.listeners:
+            mounts: dict[str, Any] = {}
+            for resource in listener.resources:
+                mounts.update(self.resources_for(resource))
+            site = build_site(mounts, health=health, max_body_bytes=max_body)
+            service = self._listen("+".join(listener.resources), listener.endpoint, site)
+            for resource in listener.resources:
+                self.listeners[resource] = service
 
-    def _listen(self, name: str, endpoint: str, site: Any) -> None:
+    def resources_for(self, kind: str) -> dict[str, Any]:
+        """The HTTP resources a listener of ``kind`` mounts (by path prefix)."""
+        if kind == "client" and self.client_api is not None:
+            return {CLIENT_PREFIX: self.client_api}
+        return {}
+
+    def _listen(self, name: str, endpoint: str, site: Any) -> ListeningService:
         service = ListeningService(self.reactor, endpoint, site)
         service.setName(f"listener-{name}")
         service.setServiceParent(self.app_services)
         self.listeners[name] = service
+        return service
 
     def new_event_id(self) -> str:
         return f"${secrets.token_urlsafe(18)}:{self.config.server_name}"

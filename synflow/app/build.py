@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Any
 
 from twisted.application.service import MultiService
+from twisted.logger import Logger, LogLevel
 
 from synflow.app.apps import SynflowProcess
 from synflow.config import SynflowConfig
 
+_LEVELS = {
+    logging.DEBUG: LogLevel.debug, logging.INFO: LogLevel.info, logging.WARNING: LogLevel.warn,
+    logging.ERROR: LogLevel.error, logging.CRITICAL: LogLevel.critical,
+}
+
 
 class _StderrHandler(logging.Handler):
-    """Writes stdlib log records to the *current* ``sys.stderr``.
+    """Sends stdlib log records into Twisted's log, at their own level.
 
-    Under twistd, stderr is redirected into the process log once logging
-    starts (after ``makeService``), so the stream is looked up per record.
+    Under twistd that is the process's log file, as
+    ``[synflow.replication.handler#info] message``.
     """
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -24,7 +29,8 @@ class _StderrHandler(logging.Handler):
             msg = self.format(record)
         except Exception:  # pragma: no cover
             msg = record.getMessage()
-        sys.stderr.write(msg + "\n")
+        level = _LEVELS.get(record.levelno, LogLevel.info)
+        Logger(namespace=record.name).emit(level, "{msg}", msg=msg)
 
 
 def setup_logging(config: SynflowConfig) -> None:
@@ -32,7 +38,7 @@ def setup_logging(config: SynflowConfig) -> None:
     root = logging.getLogger()
     if not any(isinstance(h, _StderrHandler) for h in root.handlers):
         handler = _StderrHandler()
-        handler.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
+        handler.setFormatter(logging.Formatter("%(message)s"))
         root.addHandler(handler)
     root.setLevel(config.log_level.upper())
 

@@ -38,7 +38,7 @@ class _ApiTestBase(TestCase):
                 "instance_map: {master: {host: 127.0.0.1, port: 0}}\n"
                 "stream_writers: {events: [master]}\n"
                 "replication: {hub: {host: 127.0.0.1, port: 0}}\n"
-                "listeners: [{type: client, endpoint: 'tcp:0:interface=127.0.0.1'}]\n" + self.extra
+                "listeners: [{resources: [client], endpoint: 'tcp:0:interface=127.0.0.1'}]\n" + self.extra
             )
         self.base = base
         self.master = build_service(load_config([path]), reactor, exit_on_failure=False)

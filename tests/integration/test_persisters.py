@@ -68,7 +68,7 @@ class PersisterMixin:
     def start(self):
         cluster = Cluster(self, engine=self.engine, transport=self.transport, writers=WRITERS)
         ports = {"master": free_port(), "persister1": free_port()}
-        listeners = {name: [{"type": "client", "endpoint": f"tcp:{p}:interface=127.0.0.1"}] for name, p in ports.items()}
+        listeners = {name: [{"resources": ["client"], "endpoint": f"tcp:{p}:interface=127.0.0.1"}] for name, p in ports.items()}
         yield cluster.start_master(listeners=listeners["master"])
         cluster.start_twistd("persister1", "event_persister", listeners=listeners["persister1"])
         cluster.start_twistd("persister2", "event_persister")
