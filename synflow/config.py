@@ -316,7 +316,7 @@ def _origin(origins: Mapping[str, str], key: str) -> str | None:
     while key:
         if key in origins:
             return origins[key]
-        key = key.rpartition(".")[0]
+        key = key[: key.rindex("[")] if key.endswith("]") else key.rpartition(".")[0]
     return None
 
 

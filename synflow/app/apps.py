@@ -17,10 +17,18 @@ import logging
 import secrets
 from typing import Any
 
+from twisted.application.service import Service
 from twisted.internet.defer import Deferred, succeed
 
 from synflow.app.base import ProcessService
 from synflow.app.services import ListeningService
+from synflow.caching import (
+    CURRENT_STATE_CACHE_NAME,
+    CacheRegistry,
+    TierInvalidator,
+    open_tier,
+    tier_prefix,
+)
 from synflow.events.persist import EventPersister, PersistResult
 from synflow.events.router import EventRouter, serve_persist
 from synflow.events.sync import SyncHandler
@@ -33,6 +41,27 @@ from synflow.storage.stores import DataStore
 from synflow.tokens import StreamToken
 
 logger = logging.getLogger(__name__)
+
+
+class _Drain(Service):
+    """Waits for in-flight work on shutdown (stopped first: services stop in reverse)."""
+
+    def __init__(self, drain: Any) -> None:
+        self.drain = drain
+
+    def stopService(self) -> Deferred[None]:
+        super().stopService()
+        result: Deferred[None] = self.drain()
+        return result
+
+
+class _Closer(Service):
+    def __init__(self, close: Any) -> None:
+        self.close = close
+
+    def stopService(self) -> Any:
+        super().stopService()
+        return self.close()
 
 
 class SynflowProcess(ProcessService):
@@ -54,6 +83,7 @@ class SynflowProcess(ProcessService):
         me = config.instance_name
         self.listeners = {}
         self.store = DataStore(self.db)
+        self.setup_caches(handler)
         positions = PositionSource(handler, config.replication.wait_for_position_timeout_s)
         secret = config.replication_secret()
         self.rpc_server = RpcServer(positions, self.reactor, secret)
@@ -65,6 +95,7 @@ class SynflowProcess(ProcessService):
                 event_writers=config.event_writers, clock=self.reactor, new_event_id=self.new_event_id,
             )
             serve_persist(self.rpc_server, self.persister)
+            _Drain(self.persister.drain).setServiceParent(self.app_services)
         self.router = EventRouter(me, config.event_writers, self.persister, self.rpc_client)
         self.sync = SyncHandler(self.store, handler, self.instances, self.reactor, self.audit)
         health = HealthResource(self.health_problems, self.health_details)
@@ -90,6 +121,35 @@ class SynflowProcess(ProcessService):
         if kind == "client" and self.client_api is not None:
             return {CLIENT_PREFIX: self.client_api}
         return {}
+
+    def setup_caches(self, handler: Any) -> None:
+        """Per-process caches, the shared tier (if configured), and their invalidation."""
+        config = self.config
+        self.tier = open_tier(self.reactor, config.caches, tier_prefix(config.server_name))
+        self.caches = CacheRegistry(
+            config.caches, tier=self.tier, clock=self.reactor,
+            position_source=lambda: min(handler.positions("caches").values(), default=0),
+        )
+        self.caches.register(self.store)
+        handler.add_row_handler("caches", self.caches.row_handler)
+        # A membership change invalidates the membership caches as soon as its
+        # event is applied -- before the events position passes it -- so no
+        # read at that position can see the old membership.
+        handler.add_row_handler("events", self._invalidate_for_events)
+        if self.tier is not None:
+            self.app_services.addService(_Closer(self.tier.close))
+            if config.app == "cache_invalidator":
+                invalidator = TierInvalidator(
+                    self.tier, self.caches, config.instance_name, config.caches.cache_invalidator_instances,
+                    self.reactor, start_position=lambda: handler.position("caches", config.instance_name),
+                )
+                handler.add_row_handler("caches", invalidator.row_handler)
+                invalidator.setServiceParent(self.app_services)
+
+    def _invalidate_for_events(self, instance: str, token: int, rows: list[Any]) -> None:
+        for row in rows:
+            if row.is_membership:
+                self.caches.invalidate_local(CURRENT_STATE_CACHE_NAME, [row.room_id, row.state_key])
 
     def _listen(self, name: str, endpoint: str, site: Any) -> ListeningService:
         service = ListeningService(self.reactor, endpoint, site)

@@ -86,6 +86,11 @@ async def setup_replication(
         if stream.writers is Writers.CONFIGURED:
             for writer in config.event_writers:
                 view.setdefault(writer, 1)
+        elif stream.writers is Writers.ANY:
+            # Every configured process may write: count them all from the
+            # start, so the minimum stays below a writer not yet heard from.
+            for instance in (*config.instance_map, "master"):
+                view.setdefault(instance, 1)
         if writes_stream(config, stream):
             start = max(state.last_allocated, view.get(me, 1), state.own_max_row or 1)
             gen = MultiWriterIdGenerator(stream, me, start, reactor, audit)
@@ -123,6 +128,7 @@ async def setup_replication(
         listener = ListeningService(reactor, config.replication.hub.server_endpoint(), factory)
         listener.setName("replication-hub")
         listener.setServiceParent(service)
+        _HubCloser(hub).setServiceParent(service)
         repl.hub = hub
         repl.transport = hub
     else:
@@ -141,6 +147,17 @@ async def setup_replication(
         repl.transport = client
     handler.set_transport(repl.transport)
     return repl
+
+
+class _HubCloser(Service):
+    """On shutdown, closes every worker connection with a reason."""
+
+    def __init__(self, hub: ReplicationHub) -> None:
+        self.hub = hub
+
+    def stopService(self) -> None:
+        super().stopService()
+        self.hub.close_all("server stopping")
 
 
 class _HandlerService(Service):

@@ -25,6 +25,7 @@ import attrs
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 
+from synflow.caching import CURRENT_STATE_CACHE_NAME
 from synflow.errors import HttpApiError
 from synflow.sharding import shard_for
 from synflow.storage.id_generators import StreamWriteContext, StreamWriters
@@ -35,7 +36,7 @@ logger = logging.getLogger(__name__)
 #: Events persisted per transaction at most.
 MAX_BATCH = 256
 #: The batched cache name for a room's current-state change (keys: room, members).
-CURRENT_STATE_CACHE = "cs_cache_fake"
+CURRENT_STATE_CACHE = CURRENT_STATE_CACHE_NAME
 
 MEMBER = "m.room.member"
 CREATE = "m.room.create"
@@ -346,6 +347,7 @@ class EventPersister:
         self.max_batch = max_batch
         self._pending: list[tuple[EventSpec, Deferred[PersistResult]]] = []
         self._running = False
+        self._idle_waiters: list[Deferred[None]] = []
         self.batches = 0
         self.persisted = 0
 
@@ -370,9 +372,21 @@ class EventPersister:
             self._run_batch()
         return gatherResults(ds, consumeErrors=True).addErrback(_first_error)
 
+    def drain(self) -> Deferred[None]:
+        """Fires once every queued and in-flight event has been persisted (for shutdown)."""
+        d: Deferred[None] = Deferred()
+        if not self._running:
+            d.callback(None)
+        else:
+            self._idle_waiters.append(d)
+        return d
+
     def _run_batch(self) -> None:
         if not self._pending:
             self._running = False
+            waiters, self._idle_waiters = self._idle_waiters, []
+            for w in waiters:
+                w.callback(None)
             return
         self._running = True
         batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch:]

@@ -139,8 +139,12 @@ class SyncHandler:
         return result
 
     async def _sync_once(self, user_id: str, since: StreamToken, limit: int) -> SyncResult:
-        rooms = await self.store.get_rooms_for_user(user_id)
+        # "now" first: every membership change at or before it has committed
+        # and had its cache invalidation applied, so the rooms read next
+        # reflect all of them (reading rooms first could miss a join that
+        # "now" then covers, skipping that room's events for good).
         now, now_by_name = await self.current_token()
+        rooms = frozenset(await self.store.get_rooms_for_user(user_id))
         if not since.is_before_or_eq(now):
             # Still behind the client's token: answer nothing new, keep its token.
             return SyncResult(str(since), [], False, rooms)

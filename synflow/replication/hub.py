@@ -88,6 +88,11 @@ class ReplicationHub:
         for conn in list(self.connections):
             self._send(conn, cmd)
 
+    def close_all(self, reason: str) -> None:
+        """Tell every worker why and close its connection (on shutdown)."""
+        for conn in list(self.connections):
+            conn.close(reason)
+
     @property
     def connected(self) -> bool:
         """The hub is always "connected": the master is the centre of the star."""

@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 from twisted.internet.defer import Deferred
 
+from synflow.caching import cached
 from synflow.storage.engines import Database, Txn
 
 
@@ -80,7 +81,11 @@ class DataStore:
 
     def get_user_by_access_token(self, token: str) -> Deferred[Requester | None]:
         """The user an access token belongs to, or None."""
-        return self.db.run_interaction("get_user_by_access_token", self._user_by_token_txn, hash_token(token),
+        return self.get_user_by_token_hash(hash_token(token))
+
+    @cached(name="get_user_by_access_token")
+    def get_user_by_token_hash(self, token_hash: str) -> Deferred[Requester | None]:
+        return self.db.run_interaction("get_user_by_access_token", self._user_by_token_txn, token_hash,
                                        read_only=True, idempotent=True)
 
     @staticmethod
@@ -93,15 +98,41 @@ class DataStore:
 
     # -- rooms ---------------------------------------------------------------------------
 
-    def get_rooms_for_user(self, user_id: str) -> Deferred[frozenset[str]]:
-        """Rooms the user is joined to now."""
+    @cached(name="get_rooms_for_user", user_key=True, tier=True)
+    def get_rooms_for_user(self, user_id: str) -> Deferred[list[str]]:
+        """Rooms the user is joined to now (sorted)."""
         return self.db.run_interaction("get_rooms_for_user", self._rooms_for_user_txn, user_id,
                                        read_only=True, idempotent=True)
 
     @staticmethod
-    def _rooms_for_user_txn(txn: Txn, user_id: str) -> frozenset[str]:
+    def _rooms_for_user_txn(txn: Txn, user_id: str) -> list[str]:
         txn.execute("SELECT room_id FROM room_memberships WHERE user_id = ? AND membership = 'join'", (user_id,))
-        return frozenset(r[0] for r in txn.fetchall())
+        return sorted(r[0] for r in txn.fetchall())
+
+    @cached(name="get_users_in_room", room_key=True, tier=True)
+    def get_users_in_room(self, room_id: str) -> Deferred[list[str]]:
+        """Users joined to a room now (sorted)."""
+        return self.db.run_interaction("get_users_in_room", self._users_in_room_txn, room_id,
+                                       read_only=True, idempotent=True)
+
+    @staticmethod
+    def _users_in_room_txn(txn: Txn, room_id: str) -> list[str]:
+        txn.execute("SELECT user_id FROM room_memberships WHERE room_id = ? AND membership = 'join'", (room_id,))
+        return sorted(r[0] for r in txn.fetchall())
+
+    @cached(name="get_current_hosts_in_room", room_key=True, tier=True)
+    def get_current_hosts_in_room(self, room_id: str) -> Deferred[list[str]]:
+        """Servers with a joined or invited user in a room now (sorted)."""
+        return self.db.run_interaction("get_current_hosts_in_room", self._hosts_txn, room_id,
+                                       read_only=True, idempotent=True)
+
+    @staticmethod
+    def _hosts_txn(txn: Txn, room_id: str) -> list[str]:
+        txn.execute(
+            "SELECT DISTINCT server_name FROM room_memberships WHERE room_id = ? AND membership IN ('join', 'invite')",
+            (room_id,),
+        )
+        return sorted(r[0] for r in txn.fetchall())
 
     def get_membership(self, room_id: str, user_id: str) -> Deferred[str | None]:
         return self.db.run_interaction("get_membership", self._membership_txn, room_id, user_id,

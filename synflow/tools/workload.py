@@ -129,7 +129,7 @@ class Workload:
     async def setup(self) -> None:
         """Register the users, create the rooms and join their members."""
         sem = DeferredSemaphore(self.concurrency)
-        for i in range(self.n_users):
+        for _ in range(self.n_users):
             self.users.append(UserState(Client(self.url(), self.pool)))
         await gatherResults([
             sem.run(_deferred, u.client.register(f"{self.name_prefix}{i}")) for i, u in enumerate(self.users)

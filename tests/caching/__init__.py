@@ -1,0 +1,1 @@
+"""Tests of the caching layer: ``@cached``, the registry, the shared tier and the invalidator."""
