@@ -10,6 +10,7 @@ request                                      response
 ``POST rooms/{room}/invite {"user_id"}``     ``{}`` (a remote user's server joins the room's destinations)
 ``PUT rooms/{room}/send/{type}/{txn_id}``    ``{"event_id", "token"}`` (idempotent per user and txn_id)
 ``GET sync?since=&timeout=&limit=&device_id=``  ``{"next_batch", "events", "limited"}``
+``GET rooms/{room}/members``                 ``{"members", "token"}`` (read at or after ``token``)
 ===========================================  =========================================
 
 Every request but ``register`` needs ``Authorization: Bearer <access_token>``.
@@ -99,6 +100,7 @@ class ClientApi(JsonResource):
         self.route("POST", rf"/rooms/{_ROOM}/invite", self.on_invite)
         self.route("PUT", rf"/rooms/{_ROOM}/send/(?P<event_type>[^/]{{1,255}})/(?P<txn_id>[^/]{{1,255}})", self.on_send)
         self.route("GET", r"/sync", self.on_sync)
+        self.route("GET", rf"/rooms/{_ROOM}/members", self.on_members)
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -189,6 +191,17 @@ class ClientApi(JsonResource):
         result = await self._persist_one(self._spec(room_id, event_type, requester.user_id, content, txn_id=txn_id))
         token = await self.event_position(result)
         return 200, {"event_id": result.event_id, "token": str(token)}
+
+    async def on_members(self, request: Request, room_id: str) -> tuple[int, Any]:
+        """The room's joined members, and the position (token) they were read at.
+
+        The token is taken before the read, so the members reflect every
+        membership change the token covers.
+        """
+        await self.auth(request)
+        token, _ = await self.sync_handler.current_token()
+        members = await self.store.get_users_in_room(room_id)
+        return 200, {"members": list(members), "token": str(token)}
 
     async def on_sync(self, request: Request) -> tuple[int, Any]:
         requester = await self.auth(request)

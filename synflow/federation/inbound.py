@@ -1,0 +1,397 @@
+"""Inbound ``PUT /_matrix/federation/v1/send/{txnId}``: validation and dedupe.
+
+Three layers, each usable alone:
+
+* :func:`validate_transaction` -- a pure function from the raw request to a
+  :class:`Transaction`, or an :class:`~synflow.errors.HttpApiError` (400, or
+  403 for a forbidden origin) saying exactly what is wrong;
+* :class:`InboundTransactionHandler` -- deduplicates on ``(origin, txn_id)``
+  through a :class:`~synflow.federation.interfaces.DedupeStore`, persists each
+  PDU through an injected callable, reports the origin as up, and returns
+  ``(code, json_body)``;
+* :class:`SendResource` -- the twisted.web glue: mount it at
+  ``/_matrix/federation/v1/send`` (it reads the transaction ID from the
+  remaining path).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+from twisted.internet.defer import Deferred, maybeDeferred, succeed
+from twisted.python.failure import Failure
+from twisted.web.iweb import IRequest
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET
+
+from synflow.errors import HttpApiError
+from synflow.federation import metrics
+from synflow.federation.interfaces import DedupeStore, JsonDict
+from synflow.federation.policy import MAX_EDUS_PER_TRANSACTION, MAX_PDUS_PER_TRANSACTION
+
+logger = logging.getLogger(__name__)
+
+#: The default bound on a request body (``federation.max_body_bytes``).
+DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024
+#: The default bound on JSON nesting.
+DEFAULT_MAX_JSON_DEPTH = 64
+#: The longest transaction ID accepted.
+MAX_TXN_ID_LENGTH = 255
+
+_PDU_STRING_KEYS = ("event_id", "room_id", "type", "sender")
+
+
+@attrs.frozen
+class Transaction:
+    """A validated inbound transaction.
+
+    Attributes:
+        origin: the sending server.
+        txn_id: its transaction ID.
+        origin_server_ts: its timestamp (ms).
+        pdus: the PDU objects, in order.
+        edus: the EDU objects, in order.
+    """
+
+    origin: str
+    txn_id: str
+    origin_server_ts: int
+    pdus: tuple[JsonDict, ...] = attrs.field(eq=False, repr=False)
+    edus: tuple[JsonDict, ...] = attrs.field(eq=False, repr=False)
+
+
+def _bad(message: str, errcode: str = "M_BAD_JSON") -> HttpApiError:
+    return HttpApiError(400, errcode, message)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _depth_exceeds(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests arrays/objects more than ``limit`` deep (iteratively)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children: Sequence[Any] = list(node.values())
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_pdu(index: int, pdu: Any) -> None:
+    if not isinstance(pdu, dict):
+        raise _bad(f"pdus[{index}] is {type(pdu).__name__}, not an object")
+    for key in _PDU_STRING_KEYS:
+        if not isinstance(pdu.get(key), str) or not pdu[key]:
+            raise _bad(f"pdus[{index}].{key} must be a non-empty string")
+    if not isinstance(pdu.get("content"), dict):
+        raise _bad(f"pdus[{index}].content must be an object")
+    if not _is_int(pdu.get("origin_server_ts")):
+        raise _bad(f"pdus[{index}].origin_server_ts must be an integer")
+    if "state_key" in pdu and not isinstance(pdu["state_key"], str):
+        raise _bad(f"pdus[{index}].state_key must be a string")
+
+
+def _check_edu(index: int, edu: Any) -> None:
+    if not isinstance(edu, dict):
+        raise _bad(f"edus[{index}] is {type(edu).__name__}, not an object")
+    if not isinstance(edu.get("edu_type"), str) or not edu["edu_type"]:
+        raise _bad(f"edus[{index}].edu_type must be a non-empty string")
+    if not isinstance(edu.get("content"), dict):
+        raise _bad(f"edus[{index}].content must be an object")
+
+
+def _parse(raw_body: bytes, max_body_bytes: int, max_json_depth: int) -> dict[str, Any]:
+    if len(raw_body) > max_body_bytes:
+        raise HttpApiError(400, "M_TOO_LARGE", f"body is {len(raw_body)} bytes, more than {max_body_bytes}")
+    try:
+        text = raw_body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _bad(f"body is not UTF-8: {e.reason} at byte {e.start}", "M_NOT_JSON") from None
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise _bad(f"JSON is nested more than {max_json_depth} levels deep") from None
+    except ValueError as e:
+        raise _bad(f"body is not valid JSON: {e}", "M_NOT_JSON") from None
+    if not isinstance(body, dict):
+        raise _bad(f"body is a JSON {type(body).__name__}, not an object")
+    if _depth_exceeds(body, max_json_depth):
+        raise _bad(f"JSON is nested more than {max_json_depth} levels deep")
+    return body
+
+
+def validate_transaction(
+    origin_header_or_none: str | None,
+    txn_id: str,
+    raw_body: bytes,
+    *,
+    allowed_origins: Sequence[str] | None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_json_depth: int = DEFAULT_MAX_JSON_DEPTH,
+) -> Transaction:
+    """Check an inbound ``/send`` request and return the transaction it carries.
+
+    Args:
+        origin_header_or_none: the origin the request authenticated as (from
+            its ``Authorization: X-Matrix`` header), if known; the body's
+            ``origin`` must then equal it.
+        txn_id: the transaction ID from the URL.
+        raw_body: the request body.
+        allowed_origins: the servers allowed to send (None: any).
+        max_body_bytes: the largest body accepted.
+        max_json_depth: the deepest nesting of arrays/objects accepted.
+
+    Raises:
+        HttpApiError: 400 ``M_TOO_LARGE`` (body over the limit, more than 50
+            PDUs or 100 EDUs), 400 ``M_NOT_JSON`` (not UTF-8, not JSON, NaN or
+            Infinity), 400 ``M_BAD_JSON`` (not an object, too deep, a missing or
+            ill-typed field, a malformed PDU or EDU), 400 ``M_INVALID_PARAM``
+            (a bad transaction ID), 403 ``M_FORBIDDEN`` (origin not allowed or
+            not the authenticated one).
+    """
+    if not isinstance(txn_id, str) or not txn_id or len(txn_id) > MAX_TXN_ID_LENGTH:
+        raise HttpApiError(400, "M_INVALID_PARAM", f"transaction ID must be 1 to {MAX_TXN_ID_LENGTH} characters")
+    body = _parse(raw_body, max_body_bytes, max_json_depth)
+    origin = body.get("origin")
+    if not isinstance(origin, str) or not origin:
+        raise _bad("origin must be a non-empty string")
+    if origin_header_or_none is not None and origin != origin_header_or_none:
+        raise HttpApiError(403, "M_FORBIDDEN", f"origin {origin!r} is not the authenticated server")
+    if allowed_origins is not None and origin not in allowed_origins:
+        raise HttpApiError(403, "M_FORBIDDEN", f"federation from {origin!r} is not allowed")
+    origin_server_ts = body.get("origin_server_ts")
+    if not _is_int(origin_server_ts):
+        raise _bad("origin_server_ts must be an integer")
+    pdus = body.get("pdus")
+    if not isinstance(pdus, list):
+        raise _bad("pdus must be an array")
+    edus = body.get("edus", [])
+    if not isinstance(edus, list):
+        raise _bad("edus must be an array")
+    if len(pdus) > MAX_PDUS_PER_TRANSACTION:
+        raise HttpApiError(400, "M_TOO_LARGE", f"{len(pdus)} PDUs, more than {MAX_PDUS_PER_TRANSACTION}")
+    if len(edus) > MAX_EDUS_PER_TRANSACTION:
+        raise HttpApiError(400, "M_TOO_LARGE", f"{len(edus)} EDUs, more than {MAX_EDUS_PER_TRANSACTION}")
+    for i, pdu in enumerate(pdus):
+        _check_pdu(i, pdu)
+    for i, edu in enumerate(edus):
+        _check_edu(i, edu)
+    assert isinstance(origin_server_ts, int)
+    return Transaction(origin, txn_id, origin_server_ts, tuple(pdus), tuple(edus))
+
+
+PersistPdu = Callable[[str, JsonDict], "Deferred[object] | object"]
+
+
+class InboundTransactionHandler:
+    """Handles validated-or-not inbound transactions, once each.
+
+    Args:
+        dedupe_store: remembers the response to each ``(origin, txn_id)``.
+        persist_pdu: ``persist_pdu(origin, pdu)`` persists one PDU (through
+            the room's persister); an exception (or failed Deferred) is that
+            PDU's error in the response.
+        on_remote_server_up: called with the origin of every accepted
+            request (clears its backoff, announces ``REMOTE_SERVER_UP``); not
+            waited for.
+        on_edu: optionally called with ``(origin, edu)`` for each EDU of a
+            new transaction.
+        allowed_origins: the servers allowed to send (None: any).
+        max_body_bytes: the largest body accepted.
+        max_json_depth: the deepest JSON nesting accepted.
+    """
+
+    def __init__(
+        self,
+        dedupe_store: DedupeStore,
+        persist_pdu: PersistPdu,
+        on_remote_server_up: Callable[[str], object],
+        *,
+        on_edu: Callable[[str, JsonDict], object] | None = None,
+        allowed_origins: Sequence[str] | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        max_json_depth: int = DEFAULT_MAX_JSON_DEPTH,
+    ) -> None:
+        self._store = dedupe_store
+        self._persist_pdu = persist_pdu
+        self._on_remote_server_up = on_remote_server_up
+        self._on_edu = on_edu
+        self._allowed_origins = list(allowed_origins) if allowed_origins is not None else None
+        self.max_body_bytes = max_body_bytes
+        self._max_json_depth = max_json_depth
+        self._in_progress: dict[tuple[str, str], Deferred[tuple[int, JsonDict]]] = {}
+
+    def on_send(self, origin: str | None, txn_id: str, raw_body: bytes) -> Deferred[tuple[int, JsonDict]]:
+        """Handle one ``/send`` request.
+
+        Args:
+            origin: the authenticated origin, if known (see
+                :func:`validate_transaction`).
+            txn_id: the transaction ID from the URL.
+            raw_body: the request body.
+
+        Returns:
+            A Deferred firing with ``(code, json_body)``: ``(200, {"pdus":
+            {event_id: {} | {"error": ...}}})`` for an accepted transaction
+            (the same response again for a repeat), or the error status with
+            ``{"errcode", "error"}``.
+        """
+        try:
+            txn = validate_transaction(
+                origin, txn_id, raw_body,
+                allowed_origins=self._allowed_origins,
+                max_body_bytes=self.max_body_bytes,
+                max_json_depth=self._max_json_depth,
+            )
+        except HttpApiError as e:
+            metrics.INBOUND_TRANSACTIONS.labels(outcome="rejected").inc()
+            logger.info("rejected /send %s from %s: %s", txn_id, origin, e.msg)
+            return succeed((e.code, e.to_json()))
+        self._remote_up(txn.origin)
+        key = (txn.origin, txn.txn_id)
+        running = self._in_progress.get(key)
+        if running is not None:
+            # The same transaction, resent while the first copy is handled.
+            metrics.INBOUND_TRANSACTIONS.labels(outcome="duplicate").inc()
+            waiter: Deferred[tuple[int, JsonDict]] = Deferred()
+            running.addBoth(_chain, waiter)
+            return waiter
+        d = Deferred.fromCoroutine(self._handle(txn))
+        if not d.called:
+            self._in_progress[key] = d
+            d.addBoth(self._forget, key)
+        return d
+
+    def _forget(self, result: Any, key: tuple[str, str]) -> Any:
+        self._in_progress.pop(key, None)
+        return result
+
+    async def _handle(self, txn: Transaction) -> tuple[int, JsonDict]:
+        stored = await self._store.get_response(txn.origin, txn.txn_id)
+        if stored is not None:
+            metrics.INBOUND_TRANSACTIONS.labels(outcome="duplicate").inc()
+            return stored
+        metrics.INBOUND_TRANSACTIONS.labels(outcome="accepted").inc()
+        results: dict[str, JsonDict] = {}
+        for pdu in txn.pdus:
+            event_id = pdu["event_id"]
+            if event_id in results:
+                continue
+            try:
+                await maybeDeferred(self._persist_pdu, txn.origin, pdu)
+            except HttpApiError as e:
+                results[event_id] = {"error": e.msg}
+            except Exception as e:
+                logger.warning("persisting %s from %s failed: %s", event_id, txn.origin, e)
+                results[event_id] = {"error": str(e) or type(e).__name__}
+            else:
+                results[event_id] = {}
+        if self._on_edu is not None:
+            for edu in txn.edus:
+                try:
+                    await maybeDeferred(self._on_edu, txn.origin, edu)
+                except Exception:
+                    logger.exception("handling %s EDU from %s failed", edu.get("edu_type"), txn.origin)
+        response: tuple[int, JsonDict] = (200, {"pdus": results})
+        try:
+            await self._store.store_response(txn.origin, txn.txn_id, *response)
+        except Exception:
+            logger.exception("could not remember the response to %s from %s", txn.txn_id, txn.origin)
+        return response
+
+    def _remote_up(self, origin: str) -> None:
+        try:
+            d = maybeDeferred(self._on_remote_server_up, origin)
+        except Exception:  # maybeDeferred captures errors; this is belt and braces
+            logger.exception("on_remote_server_up(%s) failed", origin)
+            return
+        d.addErrback(lambda f: logger.warning("on_remote_server_up(%s): %s", origin, f.getErrorMessage()))
+
+    def resource(self, origin_of: Callable[[IRequest], str | None] | None = None) -> SendResource:
+        """The twisted.web resource to mount at ``/_matrix/federation/v1/send``."""
+        return SendResource(self, origin_of=origin_of)
+
+
+def _chain(result: Any, waiter: Deferred[Any]) -> Any:
+    if isinstance(result, Failure):
+        waiter.errback(result)
+        return None
+    waiter.callback(result)
+    return result
+
+
+class SendResource(Resource):
+    """``PUT /_matrix/federation/v1/send/{txnId}`` over an :class:`InboundTransactionHandler`.
+
+    Mount it at ``/_matrix/federation/v1/send``. It reads at most one byte
+    more than the handler's body limit, passes the authenticated origin
+    (from ``origin_of(request)``, e.g. an ``X-Matrix`` header check; None
+    when not given) and writes the handler's JSON reply.
+
+    Args:
+        handler: the inbound handler.
+        origin_of: returns the request's authenticated origin, or None.
+    """
+
+    isLeaf = True
+
+    def __init__(
+        self, handler: InboundTransactionHandler, origin_of: Callable[[IRequest], str | None] | None = None
+    ) -> None:
+        super().__init__()
+        self._handler = handler
+        self._origin_of = origin_of
+
+    def render_PUT(self, request: Any) -> Any:
+        segments = [s for s in request.postpath if s]
+        if len(segments) != 1:
+            return _write(request, 404, {"errcode": "M_UNRECOGNIZED", "error": "expected /send/{txnId}"})
+        try:
+            txn_id = segments[0].decode("utf-8")
+        except UnicodeDecodeError:
+            return _write(request, 400, {"errcode": "M_INVALID_PARAM", "error": "transaction ID is not UTF-8"})
+        try:
+            origin = self._origin_of(request) if self._origin_of is not None else None
+        except HttpApiError as e:
+            return _write(request, e.code, e.to_json())
+        raw = request.content.read(self._handler.max_body_bytes + 1) if request.content is not None else b""
+        gone: list[bool] = []
+        request.notifyFinish().addErrback(lambda _: gone.append(True))
+        d = self._handler.on_send(origin, txn_id, raw)
+
+        def _reply(result: tuple[int, JsonDict]) -> None:
+            if not gone:
+                request.write(_write(request, *result))
+                request.finish()
+
+        def _error(f: Failure) -> None:
+            logger.error("inbound /send %s failed: %s", txn_id, f.getTraceback())
+            if not gone:
+                request.write(_write(request, 500, {"errcode": "M_UNKNOWN", "error": "internal error"}))
+                request.finish()
+
+        d.addCallbacks(_reply, _error)
+        return NOT_DONE_YET
+
+
+def _write(request: Any, code: int, body: JsonDict) -> bytes:
+    """Set the status and content type; return the encoded body."""
+    request.setResponseCode(code)
+    request.setHeader(b"Content-Type", b"application/json")
+    return json.dumps(body, separators=(",", ":")).encode("utf-8")

@@ -1,0 +1,62 @@
+"""Prometheus metrics of the federation sender and receiver.
+
+Per destination (gauges read from the queue at scrape time):
+
+* ``synflow_federation_pending_pdus{destination}`` -- PDUs queued;
+* ``synflow_federation_pending_edus{destination}`` -- EDUs queued;
+* ``synflow_federation_in_flight{destination}`` -- 1 while a transaction is in flight;
+* ``synflow_federation_backing_off{destination}`` -- 1 while the destination is in backoff;
+* ``synflow_federation_backoff_interval_seconds{destination}`` -- the current retry interval;
+* ``synflow_federation_catching_up{destination}`` -- 1 in catch-up mode.
+
+Totals (counters, no destination label, so cardinality stays bounded):
+
+* ``synflow_federation_pdus_sent_total{mode}`` -- ``mode`` is ``queue`` or ``catch_up``;
+* ``synflow_federation_edus_sent_total``;
+* ``synflow_federation_transactions_sent_total``;
+* ``synflow_federation_transactions_failed_total{retriable}``;
+* ``synflow_federation_catch_up_entered_total``;
+* ``synflow_federation_transaction_seconds`` -- a histogram of round trips;
+* ``synflow_federation_inbound_transactions_total{outcome}`` -- ``accepted``,
+  ``duplicate`` or ``rejected``.
+"""
+
+from __future__ import annotations
+
+from synflow.metrics import counter, gauge, histogram
+
+PENDING_PDUS = gauge("synflow_federation_pending_pdus", "PDUs queued per destination", ["destination"])
+PENDING_EDUS = gauge("synflow_federation_pending_edus", "EDUs queued per destination", ["destination"])
+IN_FLIGHT = gauge(
+    "synflow_federation_in_flight", "1 while a transaction to the destination is in flight", ["destination"]
+)
+BACKING_OFF = gauge(
+    "synflow_federation_backing_off", "1 while the destination is in backoff", ["destination"]
+)
+BACKOFF_INTERVAL = gauge(
+    "synflow_federation_backoff_interval_seconds", "Current retry interval per destination", ["destination"]
+)
+CATCHING_UP = gauge(
+    "synflow_federation_catching_up", "1 while the destination is in catch-up mode", ["destination"]
+)
+
+#: Every per-destination gauge (the sender registers and removes its queues' children).
+PER_DESTINATION = (PENDING_PDUS, PENDING_EDUS, IN_FLIGHT, BACKING_OFF, BACKOFF_INTERVAL, CATCHING_UP)
+
+PDUS_SENT = counter("synflow_federation_pdus_sent_total", "PDUs sent in successful transactions", ["mode"])
+EDUS_SENT = counter("synflow_federation_edus_sent_total", "EDUs sent in successful transactions")
+TRANSACTIONS_SENT = counter("synflow_federation_transactions_sent_total", "Successful /send transactions")
+TRANSACTIONS_FAILED = counter(
+    "synflow_federation_transactions_failed_total", "Failed /send transactions", ["retriable"]
+)
+CATCH_UP_ENTERED = counter(
+    "synflow_federation_catch_up_entered_total", "Times a destination's queue was dropped for catch-up"
+)
+TRANSACTION_SECONDS = histogram(
+    "synflow_federation_transaction_seconds",
+    "Round trip of /send transactions",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+INBOUND_TRANSACTIONS = counter(
+    "synflow_federation_inbound_transactions_total", "Inbound /send transactions by outcome", ["outcome"]
+)

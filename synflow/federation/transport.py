@@ -1,0 +1,239 @@
+"""Sending ``/send`` transactions over HTTP with treq.
+
+:class:`TreqFederationTransport` implements
+:class:`~synflow.federation.interfaces.FederationTransport`: it ``PUT``\\ s the
+transaction's JSON to ``{base_url}/_matrix/federation/v1/send/{txnId}``,
+bounds the whole exchange (connect, request, reply) with a timeout on the
+injected clock, and turns everything that is not a 2xx JSON object into a
+:class:`~synflow.federation.interfaces.TransactionFailed`:
+
+============================================  ===========
+what happened                                 retriable
+============================================  ===========
+connection refused/reset, DNS, TLS errors     yes
+no complete reply within the timeout          yes
+5xx, 408, 429                                 yes
+2xx whose body is not a JSON object           yes
+reply body larger than ``max_response_bytes`` yes
+any other status (3xx, 4xx)                   no
+============================================  ===========
+
+The client is anything treq-like with a ``put`` method (``treq`` itself, a
+:class:`treq.client.HTTPClient`, or :class:`treq.testing.StubTreq` in tests).
+:func:`build_treq_client` makes one on a reactor: TLS is verified by
+default (treq's default browser-like policy); ``verify_tls=False`` is for
+test deployments with self-signed certificates only.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+from urllib.parse import quote
+
+from twisted.internet import defer
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IOpenSSLClientConnectionCreator, IReactorTime
+from twisted.python.failure import Failure
+from twisted.web.client import Agent, HTTPConnectionPool
+from twisted.web.iweb import IPolicyForHTTPS
+from zope.interface import implementer
+
+from synflow.config import FederationConfig
+from synflow.federation.interfaces import JsonDict, TransactionFailed
+
+logger = logging.getLogger(__name__)
+
+#: The path of the ``/send`` endpoint, before the URL-quoted transaction ID.
+SEND_PATH = "/_matrix/federation/v1/send/"
+#: The largest reply body read (a ``/send`` reply is small).
+DEFAULT_MAX_RESPONSE_BYTES = 1024 * 1024
+_RETRIABLE_CODES = frozenset({408, 429})
+
+#: ``auth_headers(destination, method, path, body)`` -> extra request headers.
+AuthHeaders = Callable[[str, str, str, JsonDict], Mapping[bytes, list[bytes]]]
+
+
+class _ReplyTooLarge(Exception):
+    pass
+
+
+@implementer(IOpenSSLClientConnectionCreator)
+class _NoVerifyCreator:
+    """Creates client TLS connections that send SNI but verify nothing."""
+
+    def __init__(self, hostname: bytes) -> None:
+        from twisted.internet.ssl import CertificateOptions
+
+        self._hostname = hostname
+        self._context = CertificateOptions(verify=False).getContext()
+
+    def clientConnectionForTLS(self, tlsProtocol: Any) -> Any:
+        from OpenSSL import SSL
+
+        connection = SSL.Connection(self._context, None)
+        connection.set_app_data(tlsProtocol)
+        if not _is_ip_literal(self._hostname):
+            connection.set_tlsext_host_name(self._hostname)
+        connection.set_connect_state()
+        return connection
+
+
+@implementer(IPolicyForHTTPS)
+class NoVerifyPolicy:
+    """TLS without certificate verification: for test deployments only."""
+
+    def creatorForNetloc(self, hostname: bytes, port: int) -> _NoVerifyCreator:
+        return _NoVerifyCreator(hostname)
+
+
+def _is_ip_literal(host: bytes) -> bool:
+    try:
+        ipaddress.ip_address(host.decode("ascii"))
+    except ValueError:
+        return False
+    return True
+
+
+def build_treq_client(reactor: Any, *, verify_tls: bool = True, persistent: bool = True) -> Any:
+    """A :class:`treq.client.HTTPClient` on ``reactor``.
+
+    Args:
+        reactor: the reactor (needs TCP, and SSL for https).
+        verify_tls: verify certificates (treq's default policy); False only
+            for test setups with self-signed certificates.
+        persistent: keep connections open between transactions.
+    """
+    from treq.client import HTTPClient
+
+    pool = HTTPConnectionPool(reactor, persistent=persistent)
+    if verify_tls:
+        agent = Agent(reactor, pool=pool)
+    else:
+        agent = Agent(reactor, contextFactory=NoVerifyPolicy(), pool=pool)
+    return HTTPClient(agent)
+
+
+class TreqFederationTransport:
+    """``/send`` over treq.
+
+    Args:
+        treq_client: a treq-like client (``put(url, data=..., headers=...)``
+            returning a Deferred response with ``code`` and ``collect``).
+        destinations: server name -> base URL overrides (``federation.destinations``).
+        clock: runs the timeout.
+        timeout_s: the bound on one whole exchange.
+        max_response_bytes: the largest reply body accepted.
+        auth_headers: optionally ``auth_headers(destination, method, path,
+            body)`` returns extra headers for the request (for example a
+            signed ``Authorization: X-Matrix ...``).
+    """
+
+    def __init__(
+        self,
+        treq_client: Any,
+        destinations: Mapping[str, str],
+        clock: IReactorTime,
+        timeout_s: float = 30.0,
+        *,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+        auth_headers: AuthHeaders | None = None,
+    ) -> None:
+        self._client = treq_client
+        self._auth_headers = auth_headers
+        self._destinations = dict(destinations)
+        self._clock = clock
+        self._timeout_s = timeout_s
+        self._max_response_bytes = max_response_bytes
+
+    @classmethod
+    def from_config(cls, reactor: Any, config: FederationConfig) -> TreqFederationTransport:
+        """A transport on ``reactor`` configured by the ``federation`` section."""
+        client = build_treq_client(reactor, verify_tls=config.verify_tls)
+        return cls(client, config.destinations, reactor, config.request_timeout_s)
+
+    def base_url(self, destination: str) -> str:
+        """The base URL of ``destination``: the configured one, else ``https://<server_name>``."""
+        return self._destinations.get(destination, f"https://{destination}").rstrip("/")
+
+    def send_url(self, destination: str, txn_id: str) -> str:
+        """The full ``/send`` URL of a transaction."""
+        return self.base_url(destination) + SEND_PATH + quote(txn_id, safe="")
+
+    def send_transaction(self, destination: str, txn_id: str, body: JsonDict) -> Deferred[JsonDict]:
+        """Send one transaction; see the module docstring for the outcomes."""
+        url = self.send_url(destination, txn_id)
+        headers = {b"Content-Type": [b"application/json"]}
+        if self._auth_headers is not None:
+            path = SEND_PATH + quote(txn_id, safe="")
+            headers.update(self._auth_headers(destination, "PUT", path, body))
+        d = Deferred.fromCoroutine(self._send(url, body, headers))
+        # Not Deferred.addTimeout: the agent turns the cancellation into
+        # ResponseNeverReceived, so remember that the timeout fired instead.
+        timed_out: list[bool] = []
+
+        def _expire() -> None:
+            timed_out.append(True)
+            d.cancel()
+
+        call = self._clock.callLater(self._timeout_s, _expire)
+
+        def _settled(result: Any) -> Any:
+            if call.active():
+                call.cancel()
+            return result
+
+        d.addBoth(_settled)
+        return d.addErrback(self._classify, destination, txn_id, timed_out)
+
+    async def _send(self, url: str, body: JsonDict, headers: dict[bytes, list[bytes]]) -> JsonDict:
+        data = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+        response = await self._client.put(url, data=data, headers=headers)
+        raw = await self._read(response)
+        code = response.code
+        if 200 <= code < 300:
+            try:
+                reply = json.loads(raw.decode("utf-8"))
+            except ValueError as e:
+                raise TransactionFailed(f"{code} reply is not JSON: {e}") from None
+            if not isinstance(reply, dict):
+                raise TransactionFailed(f"{code} reply is {type(reply).__name__}, not a JSON object")
+            return reply
+        retriable = code >= 500 or code in _RETRIABLE_CODES
+        raise TransactionFailed(f"HTTP {code}: {_snippet(raw)}", retriable=retriable)
+
+    async def _read(self, response: Any) -> bytes:
+        chunks: list[bytes] = []
+        size = 0
+
+        def collect(chunk: bytes) -> None:
+            nonlocal size
+            size += len(chunk)
+            if size > self._max_response_bytes:
+                raise _ReplyTooLarge()
+            chunks.append(chunk)
+
+        try:
+            await response.collect(collect)
+        except _ReplyTooLarge:
+            raise TransactionFailed(f"reply is larger than {self._max_response_bytes} bytes") from None
+        return b"".join(chunks)
+
+    def _classify(self, failure: Failure, destination: str, txn_id: str, timed_out: list[bool]) -> Failure:
+        if timed_out:
+            return Failure(TransactionFailed(f"no reply within {self._timeout_s}s"))
+        if failure.check(TransactionFailed):
+            return failure
+        if failure.check(defer.CancelledError):
+            return failure
+        logger.debug("sending %s to %s failed: %s", txn_id, destination, failure.getTraceback())
+        exc = failure.value
+        return Failure(TransactionFailed(f"{type(exc).__name__}: {exc}"))
+
+
+def _snippet(raw: bytes, limit: int = 200) -> str:
+    text = raw[:limit].decode("utf-8", "replace")
+    return text + ("..." if len(raw) > limit else "")
