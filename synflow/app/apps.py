@@ -14,6 +14,7 @@ serves ``/health`` and ``/metrics`` on its internal listener and on its
 from __future__ import annotations
 
 import logging
+import random
 import secrets
 from typing import Any
 
@@ -32,13 +33,20 @@ from synflow.caching import (
 from synflow.events.persist import EventPersister, PersistResult
 from synflow.events.router import EventRouter, serve_persist
 from synflow.events.sync import SyncHandler
+from synflow.federation.sender import FederationSender
+from synflow.federation.storage import SqlDestinationStore
+from synflow.federation.transport import TreqFederationTransport
+from synflow.federation.worker import EventsFollower, inbound_handler
 from synflow.http.client_api import PREFIX as CLIENT_PREFIX
 from synflow.http.client_api import ClientApi
 from synflow.http.site import HealthResource, build_site
+from synflow.replication.commands import RemoteServerUpCommand
 from synflow.replication.rpc import PREFIX as RPC_PREFIX
 from synflow.replication.rpc import PositionSource, RpcClient, RpcServer
 from synflow.storage.stores import DataStore
 from synflow.tokens import StreamToken
+
+FEDERATION_SEND_PREFIX = "/_matrix/federation/v1/send"
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +72,25 @@ class _Closer(Service):
         return self.close()
 
 
+class _FederationService(Service):
+    """Starts the follower and the sender together; stops the sender first."""
+
+    def __init__(self, follower: EventsFollower, sender: FederationSender) -> None:
+        self.follower = follower
+        self.sender = sender
+
+    def startService(self) -> None:
+        super().startService()
+        self.sender.start()
+        d = Deferred.fromCoroutine(self.follower.start(self.sender))
+        d.addErrback(lambda f: logger.error("federation follower failed to start: %s", f.getTraceback()))
+
+    def stopService(self) -> Deferred[Any]:
+        super().stopService()
+        d = self.sender.stop()
+        return d.addBoth(lambda _: self.follower.stop())
+
+
 class SynflowProcess(ProcessService):
     """A synflow process of any app type."""
 
@@ -74,6 +101,8 @@ class SynflowProcess(ProcessService):
     router: EventRouter
     sync: SyncHandler
     client_api: ClientApi | None = None
+    federation_inbound: Any = None
+    federation_sender: FederationSender | None = None
     listeners: dict[str, ListeningService]
 
     async def setup_app(self) -> None:
@@ -104,6 +133,15 @@ class SynflowProcess(ProcessService):
         if own is not None:
             self._listen("internal", own.server_endpoint(), build_site({RPC_PREFIX: self.rpc_server}, health=health,
                                                                        max_body_bytes=max_body))
+        if config.listener("federation") is not None:
+            self.federation_inbound = inbound_handler(
+                self.db, self.router, handler,
+                allowed_origins=(config.federation.allowed_origins if config.federation.allowed_origins is not None
+                                 else sorted(config.federation.destinations)),
+                max_body_bytes=config.federation.max_body_bytes, max_json_depth=config.limits.max_json_depth,
+            )
+        if config.app == "federation_sender":
+            await self.setup_federation_sender(handler)
         if config.listener("client") is not None:
             self.client_api = ClientApi(config.server_name, self.store, self.sync, self.router.persist,
                                         self.event_position, self.reactor, config.limits)
@@ -120,7 +158,27 @@ class SynflowProcess(ProcessService):
         """The HTTP resources a listener of ``kind`` mounts (by path prefix)."""
         if kind == "client" and self.client_api is not None:
             return {CLIENT_PREFIX: self.client_api}
+        if kind == "federation" and self.federation_inbound is not None:
+            return {FEDERATION_SEND_PREFIX: self.federation_inbound.resource()}
         return {}
+
+    async def setup_federation_sender(self, handler: Any) -> None:
+        """Follow the events stream and send to the destinations this sender owns."""
+        config = self.config
+        assert self.db is not None and self.instances is not None
+        store = SqlDestinationStore(self.db)
+        self.follower = EventsFollower(store, handler, self.instances, config.server_name,
+                                       config.instance_name, self.reactor)
+        transport = TreqFederationTransport.from_config(self.reactor, config.federation)
+        self.federation_sender = FederationSender(
+            server_name=config.server_name, instance_name=config.instance_name,
+            instances=config.federation_sender_instances, store=store, transport=transport,
+            clock=self.reactor, rng=random.Random(), config=config.federation,
+            events_position=self.follower.events_position,
+        )
+        sender = self.federation_sender
+        handler.add_command_listener(RemoteServerUpCommand, lambda _c, cmd: sender.notify_remote_server_up(cmd.server_name))
+        self.app_services.addService(_FederationService(self.follower, sender))
 
     def setup_caches(self, handler: Any) -> None:
         """Per-process caches, the shared tier (if configured), and their invalidation."""

@@ -160,7 +160,7 @@ def persist_events_txn(
                 continue
             room = rooms.get(spec.room_id) or rooms.setdefault(spec.room_id, _RoomState(txn, spec.room_id))
             _check(spec, room, server_name)
-            _apply_to_state(spec, room)
+            _apply_to_state(spec, room, server_name)
             accepted.append((i, spec, spec.event_id or event_ids[i]))
         except _Refused as r:
             results[i] = PersistResult(None, None, instance_name, r.error)
@@ -170,7 +170,8 @@ def persist_events_txn(
     invalidations: list[CachesRow] = []
     for stream_id, (i, spec, event_id) in zip(ids, accepted, strict=True):
         room = rooms[spec.room_id]
-        _write_event_txn(txn, ctx, stream_id, spec, event_id, room, server_name, instance_name, now_ms)
+        if _write_event_txn(txn, ctx, stream_id, spec, event_id, room, server_name, instance_name, now_ms):
+            invalidations.append(CachesRow(CURRENT_STATE_CACHE, (spec.room_id, spec.sender), now_ms))
         if spec.membership is not None:
             invalidations.append(CachesRow(CURRENT_STATE_CACHE, (spec.room_id, spec.state_key), now_ms))
         elif spec.type == CREATE:
@@ -242,13 +243,14 @@ def _check(spec: EventSpec, room: _RoomState, server_name: str) -> None:
         raise _Refused(403, "M_FORBIDDEN", f"{spec.sender} is not joined to room {spec.room_id}")
 
 
-def _apply_to_state(spec: EventSpec, room: _RoomState) -> None:
+def _apply_to_state(spec: EventSpec, room: _RoomState, server_name: str) -> None:
     if spec.type == CREATE:
         room.created = True
     if not room.exists and not room.created:
         room.created = True  # a remote room, known from now on
-    if spec.origin and spec.sender not in room.members and spec.membership is None:
-        # A remote server's user speaking in the room is in it, as far as we know.
+    if spec.origin != server_name and spec.sender not in room.members:
+        # A remote server's user acting in the room is in it, as far as we know
+        # (without full state resolution, that is what we can tell).
         room.members[spec.sender] = "join"
     if spec.membership is not None and spec.state_key is not None:
         room.members[spec.state_key] = spec.membership
@@ -257,7 +259,7 @@ def _apply_to_state(spec: EventSpec, room: _RoomState) -> None:
 def _write_event_txn(
     txn: Any, ctx: StreamWriteContext, stream_id: int, spec: EventSpec, event_id: str,
     room: _RoomState, server_name: str, instance_name: str, now_ms: int,
-) -> None:
+) -> bool:
     if not room.exists:
         txn.execute(
             "INSERT INTO rooms (room_id, creator, created_ts, latest_depth) VALUES (?, ?, ?, 0)",
@@ -283,13 +285,14 @@ def _write_event_txn(
     if spec.state_key is not None:
         _upsert(txn, "current_state", ("room_id", "type", "state_key"), ("event_id",),
                 (spec.room_id, spec.type, spec.state_key, event_id))
-    known = _membership_known(txn, spec.room_id, spec.sender)
-    if spec.membership is not None and spec.state_key is not None:
-        _upsert(txn, "room_memberships", ("room_id", "user_id"), ("server_name", "membership", "event_id", "stream_ordering"),
-                (spec.room_id, spec.state_key, server_of(spec.state_key), spec.membership, event_id, stream_id))
-    elif not local and not known:
-        _upsert(txn, "room_memberships", ("room_id", "user_id"), ("server_name", "membership", "event_id", "stream_ordering"),
+    member_cols = ("server_name", "membership", "event_id", "stream_ordering")
+    implicit_join = not local and not _membership_known(txn, spec.room_id, spec.sender)
+    if implicit_join:
+        _upsert(txn, "room_memberships", ("room_id", "user_id"), member_cols,
                 (spec.room_id, spec.sender, server_of(spec.sender), "join", event_id, stream_id))
+    if spec.membership is not None and spec.state_key is not None:
+        _upsert(txn, "room_memberships", ("room_id", "user_id"), member_cols,
+                (spec.room_id, spec.state_key, server_of(spec.state_key), spec.membership, event_id, stream_id))
     for destination in destinations:
         _upsert(txn, "destination_rooms", ("destination", "room_id"), ("stream_ordering", "instance_name"),
                 (destination, spec.room_id, stream_id, instance_name))
@@ -303,6 +306,7 @@ def _write_event_txn(
         [EventsRow(event_id, spec.room_id, spec.type, spec.state_key, spec.sender, spec.membership)],
         room_id=spec.room_id, event_id=event_id,
     )
+    return implicit_join
 
 
 def _membership_known(txn: Any, room_id: str, user_id: str) -> bool:

@@ -35,8 +35,9 @@ class PrefixRoot(Resource):
         full = request.path
         for prefix, resource in self.mounts:
             if full == prefix or full.startswith(prefix.rstrip(b"/") + b"/"):
-                # Leaf resources see the whole path.
-                request.postpath = []
+                # Leaf resources see the path after their prefix as postpath.
+                rest = full[len(prefix):].strip(b"/")
+                request.postpath = rest.split(b"/") if rest else []
                 return resource
         return _NotFound()
 

@@ -1,0 +1,161 @@
+"""Federation in the processes: the events follower of a sender, and inbound /send.
+
+:class:`EventsFollower` runs on every federation sender. For each writer of
+the events stream it reads, in stream order, the locally created events the
+writer completed (with the remote servers that were in the room at each
+event, recorded by the persister) and hands them to the
+:class:`~synflow.federation.sender.FederationSender`, which keeps only the
+destinations this sender owns. Its processed position is a vector clock,
+persisted in ``federation_stream_position`` so a restart resumes where it
+stopped; anything older is covered by each destination's catch-up.
+
+:func:`inbound_handler` builds the master's ``PUT /_matrix/federation/v1/send``:
+each PDU is persisted through its room's persister, the transaction is
+deduplicated on (origin, txn_id), and the origin's backoff is cleared and
+announced with ``REMOTE_SERVER_UP`` so its sender wakes at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+
+from synflow.errors import HttpApiError
+from synflow.events.persist import EventSpec, server_of
+from synflow.events.router import EventRouter
+from synflow.federation.inbound import InboundTransactionHandler
+from synflow.federation.policy import RetryState
+from synflow.federation.sender import FederationSender
+from synflow.federation.storage import SqlDedupeStore, SqlDestinationStore
+from synflow.replication.commands import RemoteServerUpCommand
+from synflow.replication.handler import ReplicationHandler
+from synflow.storage.instances import InstanceMap
+from synflow.tokens import StreamToken
+
+logger = logging.getLogger(__name__)
+
+BATCH = 500
+PERSIST_INTERVAL_S = 1.0
+
+
+class EventsFollower:
+    """Feeds new local events to the federation sender, writer by writer, in order."""
+
+    def __init__(self, store: SqlDestinationStore, handler: ReplicationHandler, instances: InstanceMap,
+                 server_name: str, instance_name: str, clock: IReactorTime) -> None:
+        self.store = store
+        self.handler = handler
+        self.instances = instances
+        self.server_name = server_name
+        self.instance_name = instance_name
+        self.clock = clock
+        self.sender: FederationSender | None = None
+        self.processed: dict[str, int] = {}
+        self.target: dict[str, int] = {}
+        self._working: set[str] = set()
+        self._saved: str | None = None
+        self._timer: IDelayedCall | None = None
+        self.pdus_fed = 0
+
+    async def start(self, sender: FederationSender) -> None:
+        self.sender = sender
+        saved = await self.store.get_stream_position("events", self.instance_name)
+        current = self.handler.positions("events")
+        if saved is not None:
+            token = StreamToken.parse(saved)
+            await self.instances.load()
+            for name in current:
+                iid = self.instances.by_name.get(name)
+                self.processed[name] = token.get(iid) if iid is not None else token.minimum
+        else:
+            self.processed = dict(current)
+        self._saved = saved
+        self.handler.add_position_listener("events", self._on_position)
+        for name, pos in current.items():
+            self._on_position(name, pos)
+        self._timer = self.clock.callLater(PERSIST_INTERVAL_S, self._persist)
+
+    def stop(self) -> Deferred[Any]:
+        if self._timer is not None and self._timer.active():
+            self._timer.cancel()
+        return self._save()
+
+    def events_position(self) -> StreamToken:
+        """How far this follower has handed events to the sender (a vector clock)."""
+        ids = self.instances.by_name
+        known = {ids[n]: p for n, p in self.processed.items() if n in ids}
+        return StreamToken.from_positions(known) if known else StreamToken.at(0)
+
+    def _on_position(self, instance: str, token: int) -> None:
+        if token > self.target.get(instance, 0):
+            self.target[instance] = token
+        self.processed.setdefault(instance, 0)
+        if instance not in self._working and self.processed[instance] < self.target[instance]:
+            self._working.add(instance)
+            d = Deferred.fromCoroutine(self._work(instance))
+            d.addErrback(lambda f: logger.error("federation follower for %s failed: %s", instance, f.getTraceback()))
+            d.addBoth(lambda _: self._working.discard(instance))
+
+    async def _work(self, instance: str) -> None:
+        assert self.sender is not None
+        await self.instances.ids_for([instance])
+        while self.processed[instance] < self.target[instance]:
+            upto = self.target[instance]
+            events = await self.store.local_events_between(instance, self.processed[instance], upto,
+                                                           self.server_name, BATCH)
+            for pdu, destinations in events:
+                self.sender.notify_new_pdu(pdu, destinations)
+                self.pdus_fed += 1
+            if len(events) == BATCH:
+                self.processed[instance] = events[-1][0].stream_ordering
+            else:
+                self.processed[instance] = upto
+
+    def _persist(self) -> None:
+        self._timer = None
+        d = self._save()
+        d.addBoth(lambda _: setattr(self, "_timer", self.clock.callLater(PERSIST_INTERVAL_S, self._persist)))
+
+    def _save(self) -> Deferred[Any]:
+        token = str(self.events_position())
+        if token == self._saved:
+            return Deferred.fromCoroutine(_noop())
+        self._saved = token
+        return self.store.set_stream_position("events", self.instance_name, token)
+
+
+async def _noop() -> None:
+    return None
+
+
+def inbound_handler(db: Any, router: EventRouter, handler: ReplicationHandler, *, allowed_origins: list[str] | None,
+                    max_body_bytes: int, max_json_depth: int) -> InboundTransactionHandler:
+    """The master's inbound transaction handler."""
+    destinations = SqlDestinationStore(db)
+
+    async def persist_pdu(origin: str, pdu: dict[str, Any]) -> None:
+        if server_of(pdu["sender"]) != origin:
+            raise HttpApiError(403, "M_FORBIDDEN", f"sender {pdu['sender']} is not from origin {origin}")
+        spec = EventSpec(
+            room_id=pdu["room_id"], type=pdu["type"], sender=pdu["sender"], content=pdu["content"],
+            state_key=pdu.get("state_key"), origin=origin, origin_server_ts=pdu["origin_server_ts"],
+            event_id=pdu["event_id"],
+        )
+        (result,) = await router.persist([spec])
+        result.raise_error()
+
+    def remote_server_up(origin: str) -> None:
+        d = destinations.set_retry(origin, RetryState())
+        d.addErrback(lambda f: logger.warning("could not reset backoff of %s: %s", origin, f.getErrorMessage()))
+        handler.send_command(RemoteServerUpCommand(origin))
+
+    def persist(origin: str, pdu: dict[str, Any]) -> Deferred[None]:
+        return Deferred.fromCoroutine(persist_pdu(origin, pdu))
+
+    return InboundTransactionHandler(
+        SqlDedupeStore(db), persist, remote_server_up, allowed_origins=allowed_origins,
+        max_body_bytes=max_body_bytes, max_json_depth=max_json_depth,
+    )

@@ -1,0 +1,1 @@
+"""Tests of the federation sender core and the inbound /send validator."""

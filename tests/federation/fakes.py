@@ -1,0 +1,291 @@
+"""In-memory stand-ins for the federation sender's collaborators.
+
+* :class:`FakeDestinationStore` -- ``destinations`` and ``destination_rooms``
+  in dicts, with the exact semantics the SQL store must have (see
+  :class:`~synflow.federation.interfaces.DestinationStore`);
+* :class:`FakeTransport` -- records every transaction and answers from a
+  script (succeed, fail, or hold until released);
+* :class:`Events` -- a multi-writer events stream with a shared sequence and
+  per-writer completion, producing :class:`Pdu` values;
+* :class:`Harness` -- a :class:`FederationSender` on a ``Clock`` over the fakes.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import attrs
+from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.task import Clock
+
+from synflow.config import BackoffSection, FederationConfig
+from synflow.federation.interfaces import DestinationRecord, Edu, Pdu, TransactionFailed
+from synflow.federation.policy import RetryState
+from synflow.federation.sender import FederationSender
+from synflow.tokens import StreamToken
+
+LOCAL = "local.test"
+
+
+def _key(pdu: Pdu) -> tuple[int, int]:
+    return (pdu.stream_ordering, pdu.instance_id)
+
+
+class FakeDestinationStore:
+    """The destinations store in memory, with optional holds on catch-up reads."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, DestinationRecord] = {}
+        self.rooms: dict[tuple[str, str], Pdu] = {}
+        self.catch_up_reads: list[tuple[str, StreamToken, StreamToken, int]] = []
+        self.positions: dict[str, list[StreamToken]] = defaultdict(list)
+        self.hold_reads = False
+        self.held_reads: list[tuple[Deferred[list[Pdu]], Any]] = []
+
+    # -- what the lead's event follower does -----------------------------------------
+
+    def record_pdu(self, pdu: Pdu, destinations: Iterable[str]) -> None:
+        """Upsert ``destination_rooms``: the latest event of the room per destination."""
+        for d in destinations:
+            old = self.rooms.get((d, pdu.room_id))
+            if old is None or _key(old) < _key(pdu):
+                self.rooms[(d, pdu.room_id)] = pdu
+
+    # -- DestinationStore ----------------------------------------------------------------
+
+    def get_destination(self, destination: str) -> Deferred[DestinationRecord | None]:
+        return succeed(self.records.get(destination))
+
+    def set_retry(self, destination: str, retry: RetryState) -> Deferred[None]:
+        old = self.records.get(destination, DestinationRecord(destination))
+        self.records[destination] = attrs.evolve(old, retry=retry)
+        return succeed(None)
+
+    def set_last_successful(self, destination: str, token: StreamToken) -> Deferred[None]:
+        old = self.records.get(destination, DestinationRecord(destination))
+        if old.last_successful is not None and not old.last_successful.is_before_or_eq(token):
+            raise AssertionError(f"last_successful moved back: {old.last_successful} -> {token}")
+        self.records[destination] = attrs.evolve(old, last_successful=token)
+        self.positions[destination].append(token)
+        return succeed(None)
+
+    def needed(self, destination: str, after: StreamToken, upto: StreamToken) -> list[Pdu]:
+        """The entries of ``destination`` in ``(after, upto]``, by (stream_ordering, instance)."""
+        hits = [
+            p
+            for (d, _), p in self.rooms.items()
+            if d == destination
+            and not after.covers(p.instance_id, p.stream_ordering)
+            and upto.covers(p.instance_id, p.stream_ordering)
+        ]
+        return sorted(hits, key=_key)
+
+    def get_catch_up_pdus(
+        self, destination: str, after: StreamToken, upto: StreamToken, limit: int
+    ) -> Deferred[list[Pdu]]:
+        self.catch_up_reads.append((destination, after, upto, limit))
+        if self.hold_reads:
+            d: Deferred[list[Pdu]] = Deferred()
+            self.held_reads.append((d, (destination, after, upto, limit)))
+            return d
+        return succeed(self.needed(destination, after, upto)[:limit])
+
+    def release_read(self) -> None:
+        """Answer the oldest held catch-up read with what the store holds now."""
+        d, (destination, after, upto, limit) = self.held_reads.pop(0)
+        d.callback(self.needed(destination, after, upto)[:limit])
+
+    def outstanding_destinations(self, upto: StreamToken) -> Deferred[list[str]]:
+        out = set()
+        for (d, _), p in self.rooms.items():
+            record = self.records.get(d)
+            after = record.last_successful if record and record.last_successful else StreamToken.at(0)
+            if not after.covers(p.instance_id, p.stream_ordering) and upto.covers(
+                p.instance_id, p.stream_ordering
+            ):
+                out.add(d)
+        return succeed(sorted(out))
+
+
+@attrs.frozen
+class Sent:
+    """One call to ``send_transaction``."""
+
+    destination: str
+    txn_id: str
+    body: dict[str, Any] = attrs.field(eq=False)
+    at: float
+
+    @property
+    def event_ids(self) -> list[str]:
+        return [p["event_id"] for p in self.body["pdus"]]
+
+    @property
+    def edu_count(self) -> int:
+        return len(self.body.get("edus", []))
+
+
+class FakeTransport:
+    """Records transactions; answers each from a per-destination script.
+
+    A script entry is ``"ok"``, ``"hold"`` (answered by :meth:`release`) or
+    an exception to fail with. Without a script entry the default applies.
+    """
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.sent: list[Sent] = []
+        self.script: dict[str, list[Any]] = defaultdict(list)
+        self.default: Any = "ok"
+        self.held: list[tuple[Sent, Deferred[dict[str, Any]]]] = []
+        self.in_flight: dict[str, int] = defaultdict(int)
+        self.max_in_flight: dict[str, int] = defaultdict(int)
+
+    def send_transaction(self, destination: str, txn_id: str, body: dict[str, Any]) -> Deferred[dict[str, Any]]:
+        sent = Sent(destination, txn_id, body, self.clock.seconds())
+        self.sent.append(sent)
+        self.in_flight[destination] += 1
+        self.max_in_flight[destination] = max(self.max_in_flight[destination], self.in_flight[destination])
+        script = self.script[destination]
+        outcome = script.pop(0) if script else self.default
+        if outcome == "hold":
+            d: Deferred[dict[str, Any]] = Deferred()
+            self.held.append((sent, d))
+            return d
+        self.in_flight[destination] -= 1
+        if outcome == "ok":
+            return succeed(_ok(body))
+        return fail(outcome)
+
+    def release(self, outcome: Any = "ok") -> Sent:
+        """Answer the oldest held transaction (``"ok"`` or an exception)."""
+        sent, d = self.held.pop(0)
+        self.in_flight[sent.destination] -= 1
+        if outcome == "ok":
+            d.callback(_ok(sent.body))
+        else:
+            d.errback(outcome)
+        return sent
+
+    def to(self, destination: str) -> list[Sent]:
+        return [s for s in self.sent if s.destination == destination]
+
+    def events_to(self, destination: str) -> list[str]:
+        return [e for s in self.to(destination) for e in s.event_ids]
+
+
+def _ok(body: dict[str, Any]) -> dict[str, Any]:
+    return {"pdus": {p["event_id"]: {} for p in body["pdus"]}}
+
+
+def unreachable() -> TransactionFailed:
+    return TransactionFailed("connection refused", retriable=True)
+
+
+class Events:
+    """A multi-writer events stream: one shared sequence, per-writer completion.
+
+    ``persist`` takes the next ID for a writer; the event completes at once
+    unless ``complete=False`` (then :meth:`complete` finishes it). A writer's
+    position is just below its oldest incomplete ID, or, when it has none,
+    the highest ID allocated by anyone (an idle writer never holds others
+    back). :meth:`position` is the vector clock.
+    """
+
+    def __init__(self, writers: Sequence[int] = (1,)) -> None:
+        self.next_id = 0
+        self.writers = list(writers)
+        self.pending: dict[int, set[int]] = {w: set() for w in writers}
+
+    def persist(self, room: str, writer: int = 1, *, complete: bool = True, name: str | None = None) -> Pdu:
+        self.next_id += 1
+        so = self.next_id
+        event_id = name or f"$e{so}"
+        pdu = Pdu(
+            event_id, room, writer, so,
+            {"event_id": event_id, "room_id": room, "type": "m.room.message", "sender": "@u:" + LOCAL,
+             "content": {"body": event_id}, "origin_server_ts": so},
+        )
+        if not complete:
+            self.pending[writer].add(so)
+        return pdu
+
+    def complete(self, pdu: Pdu) -> None:
+        self.pending[pdu.instance_id].discard(pdu.stream_ordering)
+
+    def position(self) -> StreamToken:
+        return StreamToken.from_positions(
+            {w: (min(p) - 1 if p else self.next_id) for w, p in self.pending.items()}
+        )
+
+
+def fast_config(**kwargs: Any) -> FederationConfig:
+    """A federation config with a short, deterministic backoff."""
+    backoff = kwargs.pop("backoff", BackoffSection(initial_s=10.0, multiplier=2.0, max_s=80.0, jitter=0.2))
+    return FederationConfig(backoff=backoff, **kwargs)
+
+
+class Harness:
+    """A federation sender over the fakes, on a deterministic clock.
+
+    ``events_position`` follows :attr:`position` (by default the events
+    stream's vector clock, updated by :meth:`send`).
+    """
+
+    def __init__(
+        self,
+        *,
+        config: FederationConfig | None = None,
+        instances: Sequence[str] = (),
+        instance_name: str = "sender1",
+        writers: Sequence[int] = (1,),
+        store: FakeDestinationStore | None = None,
+        clock: Clock | None = None,
+        transport: Any = None,
+        events: Events | None = None,
+    ) -> None:
+        self.clock = clock or Clock()
+        if clock is None:
+            self.clock.advance(1_000_000)
+        self.store = store or FakeDestinationStore()
+        self.transport = transport if transport is not None else FakeTransport(self.clock)
+        self.events = events or Events(writers)
+        self.position: StreamToken = self.events.position()
+        self.sent_callbacks: list[Any] = []
+        self.sender = FederationSender(
+            server_name=LOCAL,
+            instance_name=instance_name,
+            instances=instances,
+            store=self.store,
+            transport=self.transport,
+            clock=self.clock,
+            rng=random.Random(1234),
+            config=config or fast_config(),
+            events_position=lambda: self.position,
+            on_sent=self.sent_callbacks.append,
+        )
+
+    def send(self, room: str, destinations: Sequence[str], writer: int = 1, **kwargs: Any) -> Pdu:
+        """Persist an event and hand it to the sender, as the lead's follower will."""
+        pdu = self.events.persist(room, writer, **kwargs)
+        self.deliver(pdu, destinations)
+        return pdu
+
+    def deliver(self, pdu: Pdu, destinations: Sequence[str]) -> None:
+        """Record rows, advance the processed position, then notify."""
+        self.store.record_pdu(pdu, destinations)
+        self.position = self.position.merge(self.events.position())
+        self.sender.notify_new_pdu(pdu, destinations)
+
+    def edu(self, destination: str, n: int = 0) -> Edu:
+        edu = Edu("m.test", {"n": n})
+        self.sender.send_edu(destination, edu)
+        return edu
+
+    def settle(self, destination: str) -> None:
+        """Let a fresh queue finish its start-up catch-up (nothing outstanding)."""
+        self.sender.wake_destination(destination)
+        assert not self.sender.queue(destination).catching_up

@@ -1,0 +1,227 @@
+"""Catch-up mode: latest event per room, oldest first, vector clocks, nothing lost or doubled."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from twisted.trial.unittest import SynchronousTestCase
+
+from synflow.federation.interfaces import DestinationRecord, Pdu
+from synflow.federation.policy import RetryState
+from synflow.tokens import StreamToken
+from tests.federation.fakes import Harness, fast_config, unreachable
+
+REMOTE = "remote.test"
+
+
+def delivered(h: Harness, destination: str = REMOTE) -> list[str]:
+    """Event IDs in transactions the destination accepted, in order."""
+    return [p.event_id for t in h.sent_callbacks if t.destination == destination for p in t.pdus]
+
+
+class CatchUpTest(SynchronousTestCase):
+    def test_latest_event_per_room_oldest_rooms_first_then_exit(self):
+        """Catch-up sends the latest event of each room, 50 rooms at a time, oldest first, then leaves."""
+        h = Harness()
+        h.store.records[REMOTE] = DestinationRecord(REMOTE, RetryState(), StreamToken.at(0))
+        first = {f"!r{i}": h.events.persist(f"!r{i}") for i in range(60)}
+        latest = {f"!r{i}": h.events.persist(f"!r{i}") for i in reversed(range(60))}
+        for pdu in [*first.values(), *latest.values()]:
+            h.store.record_pdu(pdu, [REMOTE])  # rows written before a restart; no notification
+        h.position = h.events.position()
+        self.successResultOf(h.sender.start())
+        sizes = [len(s.event_ids) for s in h.transport.sent]
+        self.assertEqual(sizes, [50, 10])
+        expected = [latest[f"!r{i}"].event_id for i in reversed(range(60))]
+        self.assertEqual(h.transport.events_to(REMOTE), expected)
+        q = h.sender.queue(REMOTE)
+        self.assertFalse(q.catching_up)
+        self.assertEqual(h.store.records[REMOTE].last_successful, h.position)
+        # Back in normal mode: a new event goes out at once, on its own.
+        new = h.send("!r0", [REMOTE])
+        self.assertEqual(h.transport.sent[-1].event_ids, [new.event_id])
+
+    def test_nothing_arriving_during_catch_up_is_lost_or_sent_twice(self):
+        """Events notified while catch-up runs are sent exactly once, as the latest of their room."""
+        h = Harness()
+        h.store.records[REMOTE] = DestinationRecord(REMOTE, RetryState(), StreamToken.at(0))
+        for i in range(70):
+            h.store.record_pdu(h.events.persist(f"!r{i}"), [REMOTE])
+        h.position = h.events.position()
+        h.transport.default = "hold"
+        h.sender.start()
+        self.assertEqual(len(h.transport.sent[0].event_ids), 50)
+        during = [
+            h.send("!r3", [REMOTE]),  # a room in the batch in flight
+            h.send("!r60", [REMOTE]),  # a room the next batch will read
+            h.send("!new", [REMOTE]),  # a room catch-up has not seen
+        ]
+        q = h.sender.queue(REMOTE)
+        self.assertEqual(q.pending_pdus, 0)
+        while h.transport.held:
+            h.transport.release()
+        self.assertFalse(q.catching_up)
+        sent = delivered(h)
+        self.assertEqual(len(sent), len(set(sent)), "an event was sent twice")
+        for pdu in during:
+            self.assertIn(pdu.event_id, sent)
+        self.assertEqual(len(sent), 70 + 3 - 1)  # !r60's first event is superseded
+        h.transport.default = "ok"
+        after = h.send("!r5", [REMOTE])
+        self.assertEqual(delivered(h)[-1], after.event_id)
+        self.assertEqual(len(delivered(h)), len(set(delivered(h))))
+
+    def test_pdu_skipped_while_the_last_read_runs_is_not_lost(self):
+        """A PDU notified while the final empty read is running makes catch-up read once more."""
+        h = Harness()
+        h.store.records[REMOTE] = DestinationRecord(REMOTE, RetryState(), StreamToken.at(0))
+        h.store.hold_reads = True
+        h.sender.wake_destination(REMOTE)
+        q = h.sender.queue(REMOTE)
+        self.assertTrue(q.catching_up)
+        # The follower notifies before advancing its position.
+        pdu = h.events.persist("!late")
+        h.store.record_pdu(pdu, [REMOTE])
+        h.sender.notify_new_pdu(pdu, [REMOTE])
+        h.store.hold_reads = False
+        h.store.release_read()  # the read started before the PDU: empty
+        self.assertEqual(delivered(h), [pdu.event_id])
+        self.assertFalse(q.catching_up)
+        self.assertEqual(len(h.store.catch_up_reads), 3)
+        h.position = h.events.position()
+        h.sender.notify_new_pdu(pdu, [REMOTE])  # a late duplicate notification is dropped
+        self.assertEqual(delivered(h), [pdu.event_id])
+
+    def test_out_of_order_completion_across_writers_loses_nothing(self):
+        """A slow writer's lower event completing after a faster writer's higher one is still sent."""
+        h = Harness(writers=(1, 2))
+        h.store.records[REMOTE] = DestinationRecord(REMOTE, RetryState(), StreamToken.at(0))
+        slow = h.events.persist("!b", writer=1, complete=False)  # stream id 1, still in flight
+        fast = h.send("!a", [REMOTE], writer=2)  # stream id 2, completes first
+        self.assertEqual(str(h.position), "m0~2.2")
+        self.assertEqual(delivered(h), [fast.event_id])
+        reached = h.store.records[REMOTE].last_successful
+        assert reached is not None
+        # A single integer would now say "2" and the slow event (1) would be skipped.
+        self.assertEqual(str(reached), "m0~2.2")
+        self.assertFalse(reached.covers(slow.instance_id, slow.stream_ordering))
+        h.events.complete(slow)
+        h.deliver(slow, [REMOTE])
+        self.assertEqual(delivered(h), [fast.event_id, slow.event_id])
+        self.assertEqual(str(h.store.records[REMOTE].last_successful), "m0~1.1~2.2")
+
+    def test_out_of_order_completion_during_catch_up(self):
+        """With a destination down, catch-up later finds the slow writer's lower event as well."""
+        h = Harness(writers=(1, 2), config=fast_config(catch_up_after_s=15))
+        h.settle(REMOTE)
+        h.transport.default = unreachable()
+        h.send("!x", [REMOTE], writer=1)
+        q = h.sender.queue(REMOTE)
+        h.clock.advance(10)  # second failure: 20 s > 15 s, catch-up mode
+        self.assertTrue(q.catching_up)
+        slow = h.events.persist("!b", writer=1, complete=False)
+        fast = h.send("!a", [REMOTE], writer=2)
+        h.transport.default = "ok"
+        h.clock.advance(q.backoff_interval_s)
+        self.assertIn(fast.event_id, delivered(h))
+        self.assertNotIn(slow.event_id, delivered(h))
+        h.events.complete(slow)
+        h.deliver(slow, [REMOTE])
+        self.assertIn(slow.event_id, delivered(h))
+        self.assertEqual(len(delivered(h)), 3)
+
+    def test_store_breaking_the_contract_is_refused(self):
+        """A store that returns an entry already covered is refused instead of looping."""
+        h = Harness()
+        pdu = h.events.persist("!r")
+        h.store.records[REMOTE] = DestinationRecord(REMOTE, RetryState(), StreamToken.at(5))
+        h.store.needed = lambda d, after, upto: [pdu]  # type: ignore[method-assign]
+        h.sender.wake_destination(REMOTE)
+        self.assertEqual(h.transport.sent, [])
+        self.assertTrue(h.sender.queue(REMOTE).catching_up)
+
+
+class Follower:
+    """The lead's events follower: in each writer's order, rows first, then notify."""
+
+    def __init__(self, h: Harness) -> None:
+        self.h = h
+        self.persisted: dict[int, list[Pdu]] = {w: [] for w in h.events.writers}
+        self.latest: dict[str, Pdu] = {}
+
+    def persist(self, room: str, writer: int, complete: bool) -> None:
+        pdu = self.h.events.persist(room, writer, complete=complete)
+        self.persisted[writer].append(pdu)
+        self.latest[room] = pdu
+
+    def complete_oldest(self) -> None:
+        pending = [p for ps in self.persisted.values() for p in ps
+                   if p.stream_ordering in self.h.events.pending[p.instance_id]]
+        if pending:
+            self.h.events.complete(min(pending, key=lambda p: p.stream_ordering))
+
+    def process(self) -> None:
+        position = self.h.events.position()
+        for writer, pdus in self.persisted.items():
+            while pdus and position.covers(writer, pdus[0].stream_ordering):
+                pdu = pdus.pop(0)
+                self.h.store.record_pdu(pdu, [REMOTE])
+                self.h.sender.notify_new_pdu(pdu, [REMOTE])
+        self.h.position = self.h.position.merge(position)
+
+
+steps = st.lists(
+    st.one_of(
+        st.tuples(st.just("persist"), st.integers(0, 7), st.booleans()),
+        st.tuples(st.just("complete")),
+        st.tuples(st.just("advance"), st.integers(1, 60)),
+        st.tuples(st.just("outage"), st.booleans()),
+        st.tuples(st.just("down_for"), st.integers(5, 120)),
+    ),
+    max_size=60,
+)
+
+
+class CatchUpPropertyTest(SynchronousTestCase):
+    @settings(max_examples=60)
+    @given(steps)
+    def test_every_room_ends_with_its_latest_event_sent_once(self, ops):
+        """Whatever the outages and completion order, each room's latest event arrives, nothing twice."""
+        h = Harness(writers=(1, 2), config=fast_config(catch_up_after_s=15))
+        h.sender.start()
+        f = Follower(h)
+        for op in ops:
+            if op[0] == "persist":
+                # One writer per room, as rooms are sharded over persisters.
+                f.persist(f"!r{op[1]}", op[1] % 2 + 1, op[2])
+            elif op[0] == "complete":
+                f.complete_oldest()
+            elif op[0] == "advance":
+                h.clock.advance(op[1])
+            elif op[0] == "down_for":
+                h.transport.default = unreachable()
+                f.persist("!r0", 1, True)
+                f.process()
+                h.clock.pump([5] * (op[1] // 5))
+                h.transport.default = "ok"
+            else:
+                h.transport.default = unreachable() if op[1] else "ok"
+            f.process()
+        h.transport.default = "ok"
+        for pdus in f.persisted.values():
+            for p in pdus:
+                h.events.complete(p)
+        f.process()
+        for _ in range(10):
+            h.clock.advance(60)  # the periodic wake-up and the retry timers
+        sent = delivered(h)
+        self.assertEqual(len(sent), len(set(sent)), f"sent twice: {sent}")
+        last_in_room: dict[str, str] = {}
+        for t in h.sent_callbacks:
+            for p in t.pdus:
+                last_in_room[p.room_id] = p.event_id
+        self.assertEqual(last_in_room, {room: p.event_id for room, p in f.latest.items()})
+        if f.latest:
+            q = h.sender.queue(REMOTE)
+            self.assertFalse(q.catching_up)
+            self.assertEqual(q.pending_pdus, 0)

@@ -1,0 +1,272 @@
+"""Inbound /send: validation of garbage, dedupe on (origin, txn_id), the HTTP resource."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from hypothesis import given
+from hypothesis import strategies as st
+from treq.testing import StubTreq
+from twisted.internet.defer import Deferred, succeed
+from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.resource import Resource
+
+from synflow.errors import HttpApiError
+from synflow.federation.inbound import InboundTransactionHandler, validate_transaction
+
+ORIGIN = "remote.test"
+
+
+def pdu(n: int, **overrides: Any) -> dict[str, Any]:
+    p = {
+        "event_id": f"$ev{n}", "room_id": "!room:remote.test", "type": "m.room.message",
+        "sender": "@u:remote.test", "content": {"body": str(n)}, "origin_server_ts": 1000 + n,
+    }
+    p.update(overrides)
+    return {k: v for k, v in p.items() if v is not _DROP}
+
+
+_DROP = object()
+
+
+def body(pdus: list[Any] | None = None, edus: list[Any] | None = None, **overrides: Any) -> bytes:
+    b: dict[str, Any] = {"origin": ORIGIN, "origin_server_ts": 5, "pdus": [pdu(1)] if pdus is None else pdus}
+    if edus is not None:
+        b["edus"] = edus
+    b.update(overrides)
+    return json.dumps({k: v for k, v in b.items() if v is not _DROP}).encode()
+
+
+class FakeDedupeStore:
+    def __init__(self) -> None:
+        self.responses: dict[tuple[str, str], tuple[int, dict[str, Any]]] = {}
+
+    def get_response(self, origin: str, txn_id: str) -> Deferred[tuple[int, dict[str, Any]] | None]:
+        return succeed(self.responses.get((origin, txn_id)))
+
+    def store_response(self, origin: str, txn_id: str, code: int, body: dict[str, Any]) -> Deferred[None]:
+        self.responses[(origin, txn_id)] = (code, body)
+        return succeed(None)
+
+
+class Receiver:
+    """A handler over fakes that records what it persisted."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.store = FakeDedupeStore()
+        self.persisted: list[tuple[str, str]] = []
+        self.up: list[str] = []
+        self.fail_event: str | None = None
+        self.hold: list[Deferred[None]] | None = None
+        kwargs.setdefault("allowed_origins", [ORIGIN, "other.test"])
+        kwargs.setdefault("max_body_bytes", 20_000)
+        self.handler = InboundTransactionHandler(self.store, self.persist, self.up.append, **kwargs)
+
+    def persist(self, origin: str, p: dict[str, Any]) -> Deferred[None] | None:
+        if p["event_id"] == self.fail_event:
+            raise HttpApiError(403, "M_FORBIDDEN", "not allowed in this room")
+        self.persisted.append((origin, p["event_id"]))
+        if self.hold is not None:
+            d: Deferred[None] = Deferred()
+            self.hold.append(d)
+            return d
+        return None
+
+
+def deep(levels: int) -> bytes:
+    return body(pdus=[pdu(1, content={"x": json.loads("[" * levels + "]" * levels)})])
+
+
+GARBAGE = [
+    ("bad JSON", None, b"{not json", 400, "M_NOT_JSON"),
+    ("invalid UTF-8", None, b'{"origin": "\xff\xfe"}', 400, "M_NOT_JSON"),
+    ("NaN", None, b'{"origin": "remote.test", "origin_server_ts": NaN, "pdus": []}', 400, "M_NOT_JSON"),
+    ("not an object", None, b"[1, 2]", 400, "M_BAD_JSON"),
+    ("missing origin", None, body(origin=_DROP), 400, "M_BAD_JSON"),
+    ("ill-typed origin", None, body(origin=7), 400, "M_BAD_JSON"),
+    ("unlisted origin", None, body(origin="evil.test"), 403, "M_FORBIDDEN"),
+    ("origin not the authenticated one", "other.test", body(), 403, "M_FORBIDDEN"),
+    ("51 PDUs", None, body(pdus=[pdu(i) for i in range(51)]), 400, "M_TOO_LARGE"),
+    ("101 EDUs", None, body(edus=[{"edu_type": "m.t", "content": {}}] * 101), 400, "M_TOO_LARGE"),
+    ("oversized body", None, body(pdus=[pdu(1, content={"x": "y" * 30_000})]), 400, "M_TOO_LARGE"),
+    ("deep nesting", None, deep(80), 400, "M_BAD_JSON"),
+    ("very deep nesting", None, b'{"origin": "remote.test", "a": ' + b"[" * 9_000 + b"]" * 9_000 + b"}",
+     400, "M_BAD_JSON"),
+    ("pdus missing", None, body(pdus=_DROP), 400, "M_BAD_JSON"),
+    ("edus not a list", None, body(edus={"a": 1}), 400, "M_BAD_JSON"),
+    ("origin_server_ts a bool", None, body(origin_server_ts=True), 400, "M_BAD_JSON"),
+    ("PDU not an object", None, body(pdus=["$ev1"]), 400, "M_BAD_JSON"),
+    ("PDU without event_id", None, body(pdus=[pdu(1, event_id=_DROP)]), 400, "M_BAD_JSON"),
+    ("PDU with non-string room_id", None, body(pdus=[pdu(1, room_id=5)]), 400, "M_BAD_JSON"),
+    ("PDU content not an object", None, body(pdus=[pdu(1, content="hi")]), 400, "M_BAD_JSON"),
+    ("PDU timestamp a string", None, body(pdus=[pdu(1, origin_server_ts="1")]), 400, "M_BAD_JSON"),
+    ("PDU state_key not a string", None, body(pdus=[pdu(1, state_key=3)]), 400, "M_BAD_JSON"),
+    ("EDU without edu_type", None, body(edus=[{"content": {}}]), 400, "M_BAD_JSON"),
+]
+
+
+class ValidationTest(SynchronousTestCase):
+    def test_garbage_is_refused_and_nothing_persisted(self):
+        """Each kind of garbage gets 400/403 with {errcode, error}; nothing is persisted or remembered."""
+        for name, origin, raw, code, errcode in GARBAGE:
+            r = Receiver()
+            got_code, got = self.successResultOf(r.handler.on_send(origin, "txn1", raw))
+            self.assertEqual((got_code, got.get("errcode")), (code, errcode), name)
+            self.assertEqual(set(got), {"errcode", "error"}, name)
+            self.assertIsInstance(got["error"], str)
+            self.assertEqual((r.persisted, r.store.responses, r.up), ([], {}, []), name)
+
+    def test_limits_are_inclusive(self):
+        """Exactly 50 PDUs and 100 EDUs are accepted."""
+        txn = validate_transaction(
+            None, "t", body(pdus=[pdu(i) for i in range(50)], edus=[{"edu_type": "m.t", "content": {}}] * 100),
+            allowed_origins=None, max_body_bytes=10**6,
+        )
+        self.assertEqual((len(txn.pdus), len(txn.edus)), (50, 100))
+
+    def test_bad_transaction_id(self):
+        """An empty or over-long transaction ID is refused with M_INVALID_PARAM."""
+        for txn_id in ("", "x" * 256):
+            with self.assertRaises(HttpApiError) as e:
+                validate_transaction(None, txn_id, body(), allowed_origins=None, max_body_bytes=10**6)
+            self.assertEqual(e.exception.errcode, "M_INVALID_PARAM")
+
+    def test_any_origin_when_unrestricted(self):
+        """With allowed_origins None any origin is accepted (and the state_key may be given)."""
+        txn = validate_transaction(
+            None, "t", body(origin="x.test", pdus=[pdu(1, state_key="")]), allowed_origins=None,
+            max_body_bytes=10**6,
+        )
+        self.assertEqual((txn.origin, txn.txn_id, txn.origin_server_ts), ("x.test", "t", 5))
+
+    @given(st.binary(max_size=300))
+    def test_random_bytes_never_crash(self, raw):
+        """Arbitrary bytes produce a 4xx with an errcode, never an exception or a persist."""
+        r = Receiver()
+        code, got = self.successResultOf(r.handler.on_send(None, "t", raw))
+        self.assertIn(code, (400, 403))
+        self.assertIn("errcode", got)
+        self.assertEqual(r.persisted, [])
+
+    @given(st.recursive(
+        st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+            st.sampled_from(["origin", "pdus", "edus", "origin_server_ts", "event_id", "content", "x"]),
+            inner, max_size=4),
+        max_leaves=20,
+    ))
+    def test_random_json_is_refused_cleanly(self, value):
+        """Arbitrary JSON values are either refused with an errcode or are well-formed transactions."""
+        r = Receiver(allowed_origins=None)
+        code, got = self.successResultOf(r.handler.on_send(None, "t", json.dumps(value).encode()))
+        if code == 200:
+            self.assertIsInstance(value, dict)
+            self.assertEqual(len(r.persisted), len({p["event_id"] for p in value["pdus"]}))
+        else:
+            self.assertIn(code, (400, 403))
+            self.assertIn("errcode", got)
+            self.assertEqual(r.persisted, [])
+
+
+class DedupeTest(SynchronousTestCase):
+    def test_accepted_transaction_persists_each_pdu_and_reports_the_origin_up(self):
+        """A valid transaction persists its PDUs in order, answers {pdus: {id: {}}} and reports the origin up."""
+        r = Receiver()
+        code, got = self.successResultOf(r.handler.on_send(ORIGIN, "t1", body(pdus=[pdu(1), pdu(2)])))
+        self.assertEqual((code, got), (200, {"pdus": {"$ev1": {}, "$ev2": {}}}))
+        self.assertEqual(r.persisted, [(ORIGIN, "$ev1"), (ORIGIN, "$ev2")])
+        self.assertEqual(r.up, [ORIGIN])
+
+    def test_per_pdu_errors_are_in_the_response(self):
+        """A PDU that fails to persist gets {"error": ...}; the others still succeed."""
+        r = Receiver()
+        r.fail_event = "$ev2"
+        code, got = self.successResultOf(r.handler.on_send(None, "t1", body(pdus=[pdu(1), pdu(2), pdu(3)])))
+        self.assertEqual(code, 200)
+        self.assertEqual(got["pdus"], {"$ev1": {}, "$ev2": {"error": "not allowed in this room"}, "$ev3": {}})
+
+    def test_repeated_transaction_returns_the_same_response_and_persists_once(self):
+        """The same (origin, txn_id) again gets the stored response and persists nothing more."""
+        r = Receiver()
+        r.fail_event = "$ev2"
+        first = self.successResultOf(r.handler.on_send(ORIGIN, "t1", body(pdus=[pdu(1), pdu(2)])))
+        again = self.successResultOf(r.handler.on_send(ORIGIN, "t1", body(pdus=[pdu(1), pdu(2)])))
+        self.assertEqual(again, first)
+        self.assertEqual(r.persisted, [(ORIGIN, "$ev1")])
+        self.assertEqual(r.up, [ORIGIN, ORIGIN])
+        other = self.successResultOf(r.handler.on_send("other.test", "t1", body(origin="other.test")))
+        self.assertEqual(other[0], 200)
+        self.assertEqual(len(r.persisted), 2)
+
+    def test_duplicate_while_the_first_is_running_waits_for_it(self):
+        """A copy arriving while the first is still persisting gets the same response; one persist."""
+        r = Receiver()
+        r.hold = []
+        d1 = r.handler.on_send(ORIGIN, "t1", body())
+        d2 = r.handler.on_send(ORIGIN, "t1", body())
+        self.assertNoResult(d1)
+        self.assertNoResult(d2)
+        r.hold.pop().callback(None)
+        self.assertEqual(self.successResultOf(d1), self.successResultOf(d2))
+        self.assertEqual(r.persisted, [(ORIGIN, "$ev1")])
+
+    def test_duplicate_event_in_one_transaction_is_persisted_once(self):
+        """An event listed twice in one transaction is persisted once."""
+        r = Receiver()
+        code, got = self.successResultOf(r.handler.on_send(None, "t1", body(pdus=[pdu(1), pdu(1)])))
+        self.assertEqual((code, got), (200, {"pdus": {"$ev1": {}}}))
+        self.assertEqual(len(r.persisted), 1)
+
+
+def mount(leaf: Resource) -> Resource:
+    root = Resource()
+    node = root
+    for name in (b"_matrix", b"federation", b"v1"):
+        child = Resource()
+        node.putChild(name, child)
+        node = child
+    node.putChild(b"send", leaf)
+    return root
+
+
+class ResourceTest(SynchronousTestCase):
+    URL = "https://local.test/_matrix/federation/v1/send/"
+
+    def test_resource_answers_json(self):
+        """PUT /send/{txnId} answers the handler's JSON: 200 for a good transaction, 400 for garbage."""
+        r = Receiver()
+        stub = StubTreq(mount(r.handler.resource()))
+        resp = self.successResultOf(stub.put(self.URL + "t%201", data=body()))
+        self.assertEqual(resp.code, 200)
+        self.assertTrue(resp.headers.getRawHeaders(b"content-type")[0].startswith(b"application/json"))
+        self.assertEqual(self.successResultOf(resp.json()), {"pdus": {"$ev1": {}}})
+        self.assertIn((ORIGIN, "t 1"), r.store.responses)
+        resp = self.successResultOf(stub.put(self.URL + "t2", data=b"\xff"))
+        self.assertEqual(resp.code, 400)
+        self.assertEqual(self.successResultOf(resp.json())["errcode"], "M_NOT_JSON")
+
+    def test_resource_passes_the_authenticated_origin(self):
+        """The origin from origin_of(request) must match the body's origin."""
+        r = Receiver()
+        stub = StubTreq(mount(r.handler.resource(origin_of=lambda request: "other.test")))
+        resp = self.successResultOf(stub.put(self.URL + "t1", data=body()))
+        self.assertEqual(resp.code, 403)
+        self.assertEqual(r.persisted, [])
+
+    def test_resource_answers_async_handlers(self):
+        """A slow persist is answered once it finishes."""
+        r = Receiver()
+        r.hold = []
+        stub = StubTreq(mount(r.handler.resource()))
+        d = stub.put(self.URL + "t1", data=body())
+        self.assertNoResult(d)
+        r.hold.pop().callback(None)
+        stub.flush()
+        self.assertEqual(self.successResultOf(d).code, 200)
+
+    def test_resource_needs_a_transaction_id(self):
+        """PUT /send without a transaction ID is a 404."""
+        stub = StubTreq(mount(Receiver().handler.resource()))
+        resp = self.successResultOf(stub.put(self.URL, data=body()))
+        self.assertEqual(resp.code, 404)
