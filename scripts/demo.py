@@ -1,33 +1,50 @@
 #!/usr/bin/env python3
-"""The main job: start a master with twistd, connect workers, replicate rows.
+"""The main job: run the default deployment and a federation peer, drive traffic, prove nothing was lost.
 
-Starts ``twistd -n synflow`` as a real master process on a free loopback
-port, connects two worker processes' worth of replication clients to its
-hub, has one worker write a stream of RDATA rows, checks that the other
-received every row exactly once and in order, and prints what happened.
+1. Copies the default deployment (``workers/``) into ``OUT/localhost/`` and a
+   small peer deployment (master, one persister, one federation sender) into
+   ``OUT/peer.localhost/``, each federating with the other; starts both with
+   ``synflowctl`` (every process through twistd).
+2. Registers users on both servers, creates rooms shared across them, and
+   sends messages through both client APIs while every user runs a sync
+   chain (a progress bar shows the sends).
+3. Waits until every chain has every message of its rooms, local or
+   federated.
+4. Runs the Spark token validator over each deployment's audit logs.
+5. Prints a report (events/s, send->sync latency, federation delivered /
+   expected, cache hit rate, validator verdict), writes it as
+   ``OUT/report.md`` with a latency plot ``OUT/latency.png``, stops
+   everything, and exits non-zero if anything was lost or the validator
+   found anomalies.
+
+Needs only Python and Java (no PostgreSQL, no Redis): both deployments run on
+SQLite and the embedded TCP hub.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import random
+import re
 import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
+import urllib.request
 
-from twisted.internet import reactor
-from twisted.internet.defer import Deferred, inlineCallbacks
-from twisted.internet.endpoints import TCP4ClientEndpoint
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, ROOT)
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import yaml  # noqa: E402
+from twisted.internet import reactor  # noqa: E402
+from twisted.internet.defer import ensureDeferred  # noqa: E402
 
-from synflow.replication.client import ReplicationClientService
-from synflow.replication.commands import RdataCommand
-from synflow.testing import RecordingReceiver
+from synflow.tools.workload import Workload  # noqa: E402
+
+DEFAULT_PORTS = [8008, 9092, 9093, 9094, 9095, 9096, 9097, 9101, 9102, 9103, 9104, 9105]
+PEER = "peer.localhost"
 
 
 def free_port() -> int:
@@ -36,87 +53,231 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def sleep(seconds: float) -> Deferred:
-    d: Deferred = Deferred()
-    reactor.callLater(seconds, d.callback, None)
-    return d
+def step(msg: str) -> None:
+    print(f"==> {msg}", flush=True)
 
 
-@inlineCallbacks
-def run(port: int, rows: int, result: dict):
-    receivers = [RecordingReceiver(), RecordingReceiver()]
-    clients = []
-    for i, receiver in enumerate(receivers):
-        svc = ReplicationClientService(
-            TCP4ClientEndpoint(reactor, "127.0.0.1", port),
-            server_name="localhost", instance_name=f"worker{i + 1}",
-            handler=receiver, clock=reactor, rng=random.Random(i),
-        )
-        svc.startService()
-        clients.append(svc)
-    for _ in range(200):
-        if all(c.connected and c.connection.core.handshake_complete for c in clients):
-            break
-        yield sleep(0.05)
-    start = time.monotonic()
-    for token in range(1, rows + 1):
-        clients[0].send_command(RdataCommand("events", "worker1", token, [f"$ev{token}:localhost"]))
-        if token % 1000 == 0:
-            print(f"\r  sent {token}/{rows} rows", end="", flush=True)
-            yield sleep(0)
-    print()
-    while len(receivers[1].received(RdataCommand)) < rows and time.monotonic() - start < 60:
-        yield sleep(0.05)
-    elapsed = time.monotonic() - start
-    got = [c.token for c in receivers[1].received(RdataCommand)]
-    result.update(sent=rows, received=len(got), in_order=got == list(range(1, rows + 1)), seconds=elapsed)
-    for c in clients:
-        yield c.stopService()
-    reactor.stop()
+def make_deployment(target: str, server_name: str, port_map: dict[int, int], peer: str, peer_url: str,
+                    processes: list[str] | None, writers: list[str] | None) -> None:
+    """Copy workers/ into ``target`` with ports remapped and federation to ``peer``."""
+    os.makedirs(target, exist_ok=True)
+    source = os.path.join(ROOT, "workers")
+    for name in sorted(os.listdir(source)):
+        if name == "production.yaml" or not name.endswith(".yaml"):
+            continue
+        if processes is not None and name != "shared.yaml" and name[:-5] not in processes:
+            continue
+        with open(os.path.join(source, name), encoding="utf-8") as f:
+            text = f.read()
+        text = re.sub(r"\b(\d{4,5})\b", lambda m: str(port_map.get(int(m.group(1)), m.group(1))), text)
+        data = yaml.safe_load(text)
+        if name == "shared.yaml":
+            data["server_name"] = server_name
+            data["federation"] = {
+                "destinations": {peer: peer_url}, "wakeup_interval_s": 2.0, "request_timeout_s": 10.0,
+                "backoff": {"initial_s": 0.5, "multiplier": 2.0, "max_s": 10.0, "jitter": 0.1},
+            }
+            if processes is not None:
+                data["instance_map"] = {k: v for k, v in data["instance_map"].items() if k in processes}
+                data["stream_writers"] = {"events": writers}
+                data["federation_sender_instances"] = [p for p in processes if p.startswith("federation_sender")]
+                data["caches"] = {"cache_invalidator_instances": [p for p in processes if p.startswith("cache_")]}
+        with open(os.path.join(target, name), "w", encoding="utf-8") as f:
+            yaml.safe_dump(data, f, sort_keys=False)
+
+
+def ctl(directory: str, command: str) -> int:
+    return subprocess.run([sys.executable, "-m", "synflow.tools.ctl", command, "."], cwd=directory).returncode
+
+
+def progress_bar(done: int, total: int) -> None:
+    if done == total or done % max(1, total // 50) == 0:
+        width = 40
+        filled = int(width * done / total)
+        end = "\n" if done == total else ""
+        print(f"\r    sending [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", end=end, flush=True)
+
+
+def cache_hit_rate(metric_urls: list[str]) -> tuple[float, int, int]:
+    hits = misses = 0.0
+    for url in metric_urls:
+        try:
+            text = urllib.request.urlopen(url, timeout=5).read().decode()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if line.startswith("synflow_cache_hits_total"):
+                hits += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("synflow_cache_misses_total"):
+                misses += float(line.rsplit(" ", 1)[1])
+    total = hits + misses
+    return (hits / total if total else 0.0), int(hits), int(misses)
+
+
+def run_validator(logs: str, out: str) -> tuple[int, dict]:
+    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable)
+    result = subprocess.run([sys.executable, "-m", "spark.validate_tokens", "--logs", logs, "--out", out],
+                            cwd=ROOT, env=env)
+    summary = {}
+    try:
+        with open(os.path.join(out, "summary.json"), encoding="utf-8") as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        pass
+    return result.returncode, summary
+
+
+def plot(latencies: list[float], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (hist, cdf) = plt.subplots(1, 2, figsize=(10, 4))
+    hist.hist(latencies, bins=50, color="#3b7dd8")
+    hist.set_xlabel("send -> visible in sync (ms)")
+    hist.set_ylabel("messages")
+    hist.set_title("Latency distribution")
+    ordered = sorted(latencies)
+    cdf.plot(ordered, [i / len(ordered) for i in range(len(ordered))], color="#d8553b")
+    cdf.set_xlabel("send -> visible in sync (ms)")
+    cdf.set_ylabel("fraction of messages")
+    cdf.set_title("Cumulative")
+    cdf.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+async def traffic(args: argparse.Namespace, servers: dict[str, list[str]]) -> Workload:
+    workload = Workload(servers, users=args.users, rooms=args.rooms, members_per_room=args.members,
+                        messages=args.messages, concurrency=args.concurrency, seed=args.seed,
+                        progress=progress_bar, name_prefix="demo", remote_members=1)
+    step(f"registering {args.users} users on both servers and creating {args.rooms} shared rooms")
+    await workload.setup()
+    step(f"sending {args.messages} messages through both servers while every user syncs")
+    chains = ensureDeferred(workload.sync_chains())
+    await workload.send_messages()
+    workload.stop_syncing()
+    await chains
+    step("waiting until every sync chain has every message of its rooms (local and federated)")
+    await workload.drain(timeout_s=args.drain_timeout)
+    await workload.close()
+    return workload
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rows", type=int, default=20_000)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--messages", type=int, default=3000)
+    parser.add_argument("--users", type=int, default=40)
+    parser.add_argument("--rooms", type=int, default=60)
+    parser.add_argument("--members", type=int, default=3, help="local members per room (plus one remote)")
+    parser.add_argument("--concurrency", type=int, default=24)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--out", default=os.path.join(ROOT, "demo-out"))
+    parser.add_argument("--free-ports", action="store_true", help="remap every port to a free one (for tests)")
+    parser.add_argument("--drain-timeout", type=float, default=180.0)
+    parser.add_argument("--keep-running", action="store_true", help="leave both deployments running")
     args = parser.parse_args()
-    workdir = tempfile.mkdtemp(prefix="synflow-demo-")
-    port = free_port()
-    config = os.path.join(workdir, "master.yaml")
-    with open(config, "w") as f:
-        f.write(
-            f"server_name: localhost\napp: master\ninstance_name: master\ndata_dir: {workdir}/var\n"
-            f"audit: {{dir: {workdir}/var/audit}}\nreplication:\n  hub: {{host: 127.0.0.1, port: {port}}}\n"
-        )
-    log = os.path.join(workdir, "master.log")
-    print(f"==> starting the master with twistd (hub on 127.0.0.1:{port}, log {log})")
-    master = subprocess.Popen(
-        [os.path.join(os.path.dirname(sys.executable), "twistd"), "-n", "--pidfile", os.path.join(workdir, "master.pid"),
-         "--logfile", log, "synflow", "--config", config]
-    )
+
+    out = os.path.abspath(args.out)
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    home_ports = {p: (free_port() if args.free_ports else p) for p in DEFAULT_PORTS}
+    peer_ports = {p: (free_port() if args.free_ports else p + 10000) for p in DEFAULT_PORTS}
+    home_dir, peer_dir = os.path.join(out, "localhost"), os.path.join(out, PEER)
+    make_deployment(home_dir, "localhost", home_ports, PEER, f"http://127.0.0.1:{peer_ports[8008]}", None, None)
+    make_deployment(peer_dir, PEER, peer_ports, "localhost", f"http://127.0.0.1:{home_ports[8008]}",
+                    ["master", "persister1", "federation_sender1"], ["persister1"])
+    servers = {"localhost": [f"http://127.0.0.1:{home_ports[8008]}"], PEER: [f"http://127.0.0.1:{peer_ports[8008]}"]}
+
+    started = []
+    code = 1
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                if master.poll() is not None:
-                    print(open(log).read())
-                    return 1
-                time.sleep(0.1)
-        print(f"==> two workers connect; worker1 writes {args.rows} RDATA rows through the hub")
+        for name, directory in (("localhost (workers/)", home_dir), (PEER, peer_dir)):
+            step(f"starting the {name} deployment")
+            if ctl(directory, "start") != 0:
+                print(f"could not start {name}; logs are under {directory}/var/log")
+                return 1
+            started.append(directory)
+        for directory in started:
+            ctl(directory, "status")
         result: dict = {}
-        reactor.callWhenRunning(run, port, args.rows, result)
+
+        def run() -> None:
+            d = ensureDeferred(traffic(args, servers))
+            d.addCallbacks(lambda w: result.update(workload=w), lambda f: result.update(error=f))
+            d.addBoth(lambda _: reactor.stop())
+
+        t0 = time.monotonic()
+        reactor.callWhenRunning(run)
         reactor.run()
+        if "error" in result:
+            print(result["error"].getTraceback())
+            return 1
+        workload: Workload = result["workload"]
+        report = workload.verify()
+        traffic_s = time.monotonic() - t0
+        metric_urls = [f"http://127.0.0.1:{home_ports[p]}/metrics" for p in (9101, 9102, 9103, 9104, 9105)]
+        hit_rate, hits, misses = cache_hit_rate(metric_urls)
+        step("stopping the deployments (audit logs are flushed on stop)")
+        if not args.keep_running:
+            for directory in reversed(started):
+                ctl(directory, "stop")
+            started = []
+        verdicts = {}
+        for name, directory in (("localhost", home_dir), (PEER, peer_dir)):
+            step(f"validating {name}'s tokens with Spark")
+            verdicts[name] = run_validator(os.path.join(directory, "var", "audit"), os.path.join(out, f"validator-{name}"))
+        plot(report.latencies_ms, os.path.join(out, "latency.png"))
+        code = write_report(out, args, report, traffic_s, hit_rate, hits, misses, verdicts)
+        return code
     finally:
-        master.terminate()
-        master.wait(10)
-        shutil.rmtree(workdir, ignore_errors=True)
-    ok = result.get("received") == args.rows and result.get("in_order")
-    rate = result.get("received", 0) / max(result.get("seconds", 1e-9), 1e-9)
-    print(f"==> worker2 received {result.get('received')}/{args.rows} rows, in order: {result.get('in_order')}, "
-          f"{rate:,.0f} rows/s end to end")
-    print("==> OK" if ok else "==> FAILED: rows were lost or reordered")
+        for directory in reversed(started):
+            ctl(directory, "stop")
+
+
+def write_report(out: str, args: argparse.Namespace, report, traffic_s: float, hit_rate: float, hits: int,
+                 misses: int, verdicts: dict) -> int:
+    lat = report.visible_latency_ms
+    send = report.send_latency_ms
+    fed_ok = report.federated_delivered == report.federated_expected
+    validator_ok = all(code == 0 for code, _ in verdicts.values())
+    ok = report.ok and report.send_errors == 0 and fed_ok and validator_ok
+    lines = [
+        "# synflow main job report",
+        "",
+        f"Two deployments on SQLite and the TCP hub: `localhost` (the default deployment in `workers/`: master, "
+        f"2 event persisters, a federation sender, a cache invalidator) and `{PEER}` (master, persister, sender).",
+        "",
+        "| measure | value |",
+        "|---|---|",
+        f"| users / rooms | {report.users} / {report.rooms} |",
+        f"| messages sent | {report.sent} (send errors: {report.send_errors}) |",
+        f"| throughput (offered by {args.concurrency} concurrent clients) | {report.events_per_s:,.0f} events/s |",
+        f"| send latency p50 / p95 / p99 | {send['p50']:.1f} / {send['p95']:.1f} / {send['p99']:.1f} ms |",
+        f"| send -> visible in sync p50 / p95 / p99 | {lat['p50']:.1f} / {lat['p95']:.1f} / {lat['p99']:.1f} ms |",
+        f"| federation delivered / expected | {report.federated_delivered} / {report.federated_expected} |",
+        f"| lost / duplicated / out of order / foreign | {report.lost} / {report.duplicated} / "
+        f"{report.order_mismatches} / {report.foreign} |",
+        f"| sync requests | {report.sync_requests} |",
+        f"| cache hit rate (localhost) | {hit_rate:.1%} ({hits} hits, {misses} misses) |",
+    ]
+    for name, (code, summary) in verdicts.items():
+        counts = summary.get("counts", summary.get("per_check", {}))
+        violations = sum(v for v in counts.values() if isinstance(v, int)) if isinstance(counts, dict) else "?"
+        verdict = "clean" if code == 0 else f"exit {code}"
+        lines.append(f"| token validator ({name}) | {verdict}; violations: {violations} |")
+    lines += ["", f"Traffic phase: {traffic_s:.1f} s. Latency plot: `latency.png`.", "",
+              f"**Verdict: {'OK - nothing lost, no anomalies' if ok else 'FAILED'}**"]
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out, "report.md"), "w", encoding="utf-8") as f:
+        f.write(text)
+    with open(os.path.join(out, "report.json"), "w", encoding="utf-8") as f:
+        json.dump({**report.as_dict(), "cache_hit_rate": hit_rate,
+                   "validator": {n: c for n, (c, _) in verdicts.items()}, "ok": ok}, f, indent=2)
+    print()
+    print(text)
+    print(f"report: {os.path.join(out, 'report.md')}  plot: {os.path.join(out, 'latency.png')}")
     return 0 if ok else 1
 
 

@@ -30,6 +30,7 @@ from synflow.tools.client import ApiError, Client, new_pool
 @attrs.define
 class UserState:
     client: Client
+    server: str = ""
     rooms: set[str] = attrs.Factory(set)
     since: str | None = None
     delivered: list[tuple[str, str]] = attrs.Factory(list)  # (room_id, event_id)
@@ -48,6 +49,8 @@ class Report:
     order_mismatches: int
     foreign: int
     sync_requests: int
+    federated_expected: int
+    federated_delivered: int
     send_seconds: float
     events_per_s: float
     send_latency_ms: dict[str, float]
@@ -92,11 +95,15 @@ class Workload:
         name_prefix: distinguishes users of several workloads on one server.
     """
 
-    def __init__(self, urls: list[str], *, users: int = 20, rooms: int = 40, members_per_room: int = 4,
-                 messages: int = 1000, concurrency: int = 16, seed: int = 1,
+    def __init__(self, urls: list[str] | dict[str, list[str]], *, users: int = 20, rooms: int = 40,
+                 members_per_room: int = 4, messages: int = 1000, concurrency: int = 16, seed: int = 1,
                  progress: Callable[[int, int], None] | None = None, name_prefix: str = "u",
-                 sync_timeout_ms: int = 2000, remote_invites: list[str] | None = None) -> None:
-        self.urls = urls
+                 sync_timeout_ms: int = 2000, remote_members: int = 1) -> None:
+        # One server (a list of its client URLs) or several ({server_name: urls}):
+        # rooms are created on the first server and shared with the others.
+        self.servers = urls if isinstance(urls, dict) else {"": list(urls)}
+        self.urls = next(iter(self.servers.values()))
+        self.remote_members = remote_members
         self.n_users = users
         self.n_rooms = rooms
         self.members_per_room = members_per_room
@@ -106,7 +113,6 @@ class Workload:
         self.progress = progress
         self.name_prefix = name_prefix
         self.sync_timeout_ms = sync_timeout_ms
-        self.remote_invites = remote_invites or []
         self.pool = new_pool()
         self.users: list[UserState] = []
         self.rooms: dict[str, list[UserState]] = {}
@@ -118,8 +124,8 @@ class Workload:
         self.send_seconds = 0.0
         self._stop_syncing = False
 
-    def url(self) -> str:
-        return self.rng.choice(self.urls)
+    def url(self, server: str | None = None) -> str:
+        return self.rng.choice(self.servers[server] if server is not None else self.urls)
 
     async def close(self) -> None:
         await self.pool.closeCachedConnections()
@@ -127,27 +133,43 @@ class Workload:
     # -- set-up ------------------------------------------------------------------------
 
     async def setup(self) -> None:
-        """Register the users, create the rooms and join their members."""
+        """Register the users, create the rooms, invite remote members and join everyone."""
         sem = DeferredSemaphore(self.concurrency)
-        for _ in range(self.n_users):
-            self.users.append(UserState(Client(self.url(), self.pool)))
+        names = list(self.servers)
+        for i in range(self.n_users):
+            server = names[i % len(names)]
+            self.users.append(UserState(Client(self.url(server), self.pool), server))
         await gatherResults([
             sem.run(_deferred, u.client.register(f"{self.name_prefix}{i}")) for i, u in enumerate(self.users)
         ])
+        home = [u for u in self.users if u.server == names[0]]
+        remote = [u for u in self.users if u.server != names[0]]
         for _ in range(self.n_rooms):
-            members = self.rng.sample(self.users, min(self.members_per_room, len(self.users)))
-            room_id = await members[0].client.at(self.url()).create_room()
+            members = self.rng.sample(home, min(self.members_per_room, len(home)))
+            if remote:
+                members += self.rng.sample(remote, min(self.remote_members, len(remote)))
+            room_id = await members[0].client.at(self.url(names[0])).create_room()
             self.rooms[room_id] = members
             self.sent[room_id] = []
             for member in members:
                 member.rooms.add(room_id)
         await gatherResults([
-            sem.run(_deferred, m.client.at(self.url()).join(r)) for r, ms in self.rooms.items() for m in ms[1:]
+            sem.run(_deferred, self._join(r, m, ms[0])) for r, ms in self.rooms.items() for m in ms[1:]
         ])
-        for remote in self.remote_invites:
-            await gatherResults([
-                sem.run(_deferred, ms[0].client.at(self.url()).invite(r, remote)) for r, ms in self.rooms.items()
-            ])
+
+    async def _join(self, room_id: str, member: UserState, creator: UserState) -> None:
+        if member.server != creator.server:
+            assert member.client.user_id is not None
+            await creator.client.at(self.url(creator.server)).invite(room_id, member.client.user_id)
+        for _ in range(300):
+            try:
+                await member.client.at(self.url(member.server)).join(room_id)
+                return
+            except ApiError as e:
+                if e.code != 404:  # the invite has not crossed over yet
+                    raise
+            await deferLater(reactor, 0.1, lambda: None)
+        raise RuntimeError(f"{member.client.user_id} could not join {room_id}: the invite never arrived")
 
     # -- traffic -------------------------------------------------------------------------
 
@@ -161,7 +183,7 @@ class Workload:
         for n in range(self.n_messages):
             room_id = self.rng.choice(rooms)
             sender = self.rng.choice(self.rooms[room_id])
-            url = self.url()
+            url = self.url(sender.server)
             if rate_per_s:
                 delay = started + n / rate_per_s - time.monotonic()
                 if delay > 0:
@@ -210,7 +232,7 @@ class Workload:
 
     async def sync_once(self, user: UserState, timeout_ms: int = 0) -> int:
         try:
-            result = await user.client.at(self.url()).sync(since=user.since, timeout_ms=timeout_ms)
+            result = await user.client.at(self.url(user.server)).sync(since=user.since, timeout_ms=timeout_ms)
         except Exception:
             user.errors += 1
             await deferLater(reactor, 0.2, lambda: None)
@@ -240,8 +262,14 @@ class Workload:
     # -- verification ------------------------------------------------------------------------
 
     def verify(self) -> Report:
+        """Lost, duplicated, misordered and foreign deliveries, from the responses alone.
+
+        Users of one server must see each room's messages in the same order;
+        across servers, the messages of each origin server must keep their order.
+        """
         lost = duplicated = mismatches = foreign = 0
-        room_orders: dict[str, list[str]] = {}
+        fed_expected = fed_delivered = 0
+        room_orders: dict[tuple[str, str], list[str]] = {}
         for user in self.users:
             by_room: dict[str, list[str]] = {}
             for room_id, event_id in user.delivered:
@@ -251,12 +279,18 @@ class Workload:
                     foreign += len(got)
                     continue
                 duplicated += len(got) - len(set(got))
-                first = room_orders.setdefault(room_id, got)
-                if first is not got and [e for e in got if e in set(first)] != [e for e in first if e in set(got)]:
-                    mismatches += 1
+                for key, seq in self._order_keys(user.server, got):
+                    first = room_orders.setdefault((room_id, key), seq)
+                    if first is not seq and [e for e in seq if e in set(first)] != [e for e in first if e in set(seq)]:
+                        mismatches += 1
             for room_id in user.rooms:
-                missing = set(self.sent[room_id]) - set(by_room.get(room_id, []))
+                got_set = set(by_room.get(room_id, []))
+                missing = set(self.sent[room_id]) - got_set
                 lost += len(missing)
+                remote = ([e for e in self.sent[room_id] if _origin(e) != user.server]
+                          if len(self.servers) > 1 else [])
+                fed_expected += len(remote)
+                fed_delivered += sum(1 for e in remote if e in got_set)
         visible = [
             (self.visible_at[e] - self.sent_at[e]) * 1000 for e in self.sent_at if e in self.visible_at
         ]
@@ -264,8 +298,21 @@ class Workload:
         return Report(
             users=len(self.users), rooms=len(self.rooms), sent=sent, send_errors=self.send_errors,
             lost=lost, duplicated=duplicated, order_mismatches=mismatches, foreign=foreign,
-            sync_requests=sum(u.syncs for u in self.users), send_seconds=self.send_seconds,
+            sync_requests=sum(u.syncs for u in self.users), federated_expected=fed_expected,
+            federated_delivered=fed_delivered, send_seconds=self.send_seconds,
             events_per_s=sent / self.send_seconds if self.send_seconds else 0.0,
             send_latency_ms=percentiles(self.send_latencies), visible_latency_ms=percentiles(visible),
             latencies_ms=visible,
         )
+
+    def _order_keys(self, server: str, events: list[str]) -> list[tuple[str, list[str]]]:
+        if len(self.servers) == 1:
+            return [("", events)]
+        keys = [(f"server:{server}", events)]
+        for origin in self.servers:
+            keys.append((f"origin:{origin}", [e for e in events if _origin(e) == origin]))
+        return keys
+
+
+def _origin(event_id: str) -> str:
+    return event_id.partition(":")[2]
