@@ -125,7 +125,7 @@ class SynflowProcess(ProcessService):
             )
             serve_persist(self.rpc_server, self.persister)
             _Drain(self.persister.drain).setServiceParent(self.app_services)
-        self.router = EventRouter(me, config.event_writers, self.persister, self.rpc_client)
+        self.router = EventRouter(me, config.event_writers, self.persister, self.rpc_client, self.reactor)
         self.sync = SyncHandler(self.store, handler, self.instances, self.reactor, self.audit)
         health = HealthResource(self.health_problems, self.health_details)
         max_body = config.limits.max_request_bytes

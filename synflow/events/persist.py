@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,14 +28,23 @@ from twisted.internet.interfaces import IReactorTime
 
 from synflow.caching import CURRENT_STATE_CACHE_NAME
 from synflow.errors import HttpApiError
+from synflow.metrics import counter, histogram
 from synflow.sharding import shard_for
 from synflow.storage.id_generators import StreamWriteContext, StreamWriters
 from synflow.streams import CachesRow, EventsRow
 
 logger = logging.getLogger(__name__)
 
+BATCH_SIZE = histogram("synflow_persist_batch_events", "Events per persist transaction",
+                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+BATCH_SECONDS = histogram("synflow_persist_batch_seconds", "Time per persist transaction",
+                          buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
+EVENTS_PERSISTED = counter("synflow_events_persisted_total", "Events persisted by this process")
+
 #: Events persisted per transaction at most.
 MAX_BATCH = 256
+#: Persist transactions running at once in one persister.
+MAX_IN_FLIGHT = 4
 #: The batched cache name for a room's current-state change (keys: room, members).
 CURRENT_STATE_CACHE = CURRENT_STATE_CACHE_NAME
 
@@ -113,21 +123,86 @@ class _Refused(Exception):
         self.error = (code, errcode, msg)
 
 
+@attrs.define
 class _RoomState:
     """A room's head and memberships as this transaction sees them."""
 
-    def __init__(self, txn: Any, room_id: str) -> None:
-        txn.execute("SELECT latest_event_id, latest_depth FROM rooms WHERE room_id = ?", (room_id,))
-        row = txn.fetchone()
-        self.exists = row is not None
-        self.latest_event_id: str | None = row[0] if row else None
-        self.depth: int = int(row[1]) if row else 0
-        self.created = False
-        txn.execute("SELECT user_id, membership FROM room_memberships WHERE room_id = ?", (room_id,))
-        self.members: dict[str, str] = {u: m for u, m in txn.fetchall()}
+    exists: bool = False
+    created: bool = False
+    creator: str = ""
+    created_ts: int = 0
+    latest_event_id: str | None = None
+    depth: int = 0
+    members: dict[str, str] = attrs.Factory(dict)
+    touched: bool = False
 
-    def remote_hosts(self, local: str) -> list[str]:
-        return sorted({server_of(u) for u, m in self.members.items() if m in ("join", "invite")} - {local})
+    def remote_hosts(self, local: str) -> set[str]:
+        return {server_of(u) for u, m in self.members.items() if m in ("join", "invite")} - {local}
+
+
+@attrs.define
+class _Accepted:
+    index: int
+    spec: EventSpec
+    event_id: str
+    prev_event_id: str | None
+    depth: int
+    destinations: list[str] | None
+    implicit_join: bool
+
+
+def _marks(n: int) -> str:
+    return ", ".join("?" for _ in range(n))
+
+
+def _load_rooms_txn(txn: Any, room_ids: set[str]) -> dict[str, _RoomState]:
+    rooms = {r: _RoomState() for r in room_ids}
+    ids = sorted(room_ids)
+    txn.execute(
+        f"SELECT room_id, creator, created_ts, latest_event_id, latest_depth FROM rooms WHERE room_id IN ({_marks(len(ids))})",
+        ids,
+    )
+    for room_id, creator, created_ts, latest, depth in txn.fetchall():
+        rooms[room_id] = _RoomState(True, False, creator, int(created_ts), latest, int(depth))
+    txn.execute(f"SELECT room_id, user_id, membership FROM room_memberships WHERE room_id IN ({_marks(len(ids))})", ids)
+    for room_id, user_id, membership in txn.fetchall():
+        rooms[room_id].members[user_id] = membership
+    return rooms
+
+
+def _existing_txn(txn: Any, specs: Sequence[EventSpec]) -> dict[tuple[str, str], tuple[str, int, str]]:
+    """Already persisted events, keyed like :func:`_key`."""
+    found: dict[tuple[str, str], tuple[str, int, str]] = {}
+    event_ids = sorted({s.event_id for s in specs if s.event_id})
+    if event_ids:
+        txn.execute(
+            f"SELECT event_id, stream_ordering, instance_name FROM events WHERE event_id IN ({_marks(len(event_ids))})",
+            event_ids,
+        )
+        for event_id, so, inst in txn.fetchall():
+            found[("event", event_id)] = (event_id, int(so), inst)
+    by_sender: dict[str, set[str]] = {}
+    for s in specs:
+        if s.txn_id is not None and s.event_id is None:
+            by_sender.setdefault(s.sender, set()).add(s.txn_id)
+    for sender, txn_ids in by_sender.items():
+        ordered = sorted(txn_ids)
+        txn.execute(
+            "SELECT txn_id, event_id, stream_ordering, instance_name FROM event_txn_ids "
+            f"WHERE user_id = ? AND txn_id IN ({_marks(len(ordered))})",
+            (sender, *ordered),
+        )
+        for txn_id, event_id, so, inst in txn.fetchall():
+            found[("txn", f"{sender}\n{txn_id}")] = (event_id, int(so), inst)
+    return found
+
+
+def _key(spec: EventSpec) -> tuple[str, str] | None:
+    if spec.event_id:
+        return ("event", spec.event_id)
+    if spec.txn_id:
+        return ("txn", f"{spec.sender}\n{spec.txn_id}")
+    return None
 
 
 def persist_events_txn(
@@ -139,82 +214,121 @@ def persist_events_txn(
     instance_name: str,
     now_ms: int,
 ) -> list[PersistResult]:
-    """Validate and write a batch of events in the caller's transaction."""
+    """Validate and write a batch of events in the caller's transaction.
+
+    The number of statements does not grow with the batch: existing events,
+    room heads and memberships are read in bulk, checks run in memory, and
+    every table is written with one multi-row statement.
+    """
     txn = ctx.txn
-    rooms: dict[str, _RoomState] = {}
+    existing = _existing_txn(txn, specs)
+    rooms = _load_rooms_txn(txn, {s.room_id for s in specs})
     results: list[PersistResult | None] = [None] * len(specs)
-    accepted: list[tuple[int, EventSpec, str]] = []
+    accepted: list[_Accepted] = []
     first_of: dict[tuple[str, str], int] = {}
     repeats: dict[int, int] = {}
     for i, spec in enumerate(specs):
-        key = ("event", spec.event_id) if spec.event_id else ("txn", f"{spec.sender}\n{spec.txn_id}") if spec.txn_id else None
-        if key is not None and key in first_of:
-            repeats[i] = first_of[key]  # the same event twice in one batch
-            continue
+        key = _key(spec)
         if key is not None:
-            first_of[key] = i
-        try:
-            existing = _existing_txn(txn, spec)
-            if existing is not None:
-                results[i] = PersistResult(existing[0], existing[1], existing[2], duplicate=True)
+            if key in first_of:
+                repeats[i] = first_of[key]  # the same event twice in one batch
                 continue
-            room = rooms.get(spec.room_id) or rooms.setdefault(spec.room_id, _RoomState(txn, spec.room_id))
+            first_of[key] = i
+            if key in existing:
+                event_id, so, inst = existing[key]
+                results[i] = PersistResult(event_id, so, inst, duplicate=True)
+                continue
+        room = rooms[spec.room_id]
+        try:
             _check(spec, room, server_name)
-            _apply_to_state(spec, room, server_name)
-            accepted.append((i, spec, spec.event_id or event_ids[i]))
         except _Refused as r:
             results[i] = PersistResult(None, None, instance_name, r.error)
-    if not accepted:
-        return _resolve_repeats(results, repeats)
-    ids = ctx.allocate("events", len(accepted))
-    invalidations: list[CachesRow] = []
-    for stream_id, (i, spec, event_id) in zip(ids, accepted, strict=True):
-        room = rooms[spec.room_id]
-        if _write_event_txn(txn, ctx, stream_id, spec, event_id, room, server_name, instance_name, now_ms):
-            invalidations.append(CachesRow(CURRENT_STATE_CACHE, (spec.room_id, spec.sender), now_ms))
-        if spec.membership is not None:
-            invalidations.append(CachesRow(CURRENT_STATE_CACHE, (spec.room_id, spec.state_key), now_ms))
-        elif spec.type == CREATE:
-            invalidations.append(CachesRow("get_room", (spec.room_id,), now_ms))
-        results[i] = PersistResult(event_id, stream_id, instance_name)
-    if invalidations:
-        write_invalidations_txn(ctx, instance_name, invalidations)
-    return _resolve_repeats(results, repeats)
-
-
-def _resolve_repeats(results: list[PersistResult | None], repeats: dict[int, int]) -> list[PersistResult]:
+            continue
+        local = spec.origin == server_name
+        before = room.remote_hosts(server_name) if local else set()
+        implicit_join = _apply_to_state(spec, room, server_name, now_ms)
+        event_id = spec.event_id or event_ids[i]
+        destinations = sorted(before | room.remote_hosts(server_name)) if local else None
+        room.depth += 1
+        accepted.append(_Accepted(i, spec, event_id, room.latest_event_id, room.depth, destinations, implicit_join))
+        room.latest_event_id = event_id
+        room.touched = True
+    if accepted:
+        ids = ctx.allocate("events", len(accepted))
+        _write_txn(ctx, accepted, ids, rooms, instance_name, now_ms)
+        for stream_id, a in zip(ids, accepted, strict=True):
+            results[a.index] = PersistResult(a.event_id, stream_id, instance_name)
     for i, first in repeats.items():
         original = results[first]
         assert original is not None
         results[i] = attrs.evolve(original, duplicate=original.error is None)
+    assert all(r is not None for r in results)
     return [r for r in results if r is not None]
+
+
+def _write_txn(ctx: StreamWriteContext, accepted: list[_Accepted], ids: list[int], rooms: dict[str, _RoomState],
+               instance_name: str, now_ms: int) -> None:
+    txn = ctx.txn
+    events, txn_ids, state, members, destinations, invalidations = [], [], [], [], [], []
+    heads: dict[str, tuple[str, int, int]] = {}
+    for stream_id, a in zip(ids, accepted, strict=True):
+        spec = a.spec
+        events.append((
+            stream_id, instance_name, a.event_id, spec.room_id, spec.type, spec.state_key, spec.sender,
+            spec.membership, json.dumps(spec.content, separators=(",", ":")), spec.origin_server_ts, spec.origin,
+            a.prev_event_id, a.depth, now_ms, None if a.destinations is None else json.dumps(a.destinations),
+        ))
+        heads[spec.room_id] = (a.event_id, a.depth, stream_id)
+        if spec.state_key is not None:
+            state.append((spec.room_id, spec.type, spec.state_key, a.event_id))
+        if a.implicit_join:
+            members.append((spec.room_id, spec.sender, server_of(spec.sender), "join", a.event_id, stream_id))
+            invalidations.append(CachesRow(CURRENT_STATE_CACHE, (spec.room_id, spec.sender), now_ms))
+        if spec.membership is not None and spec.state_key is not None:
+            members.append((spec.room_id, spec.state_key, server_of(spec.state_key), spec.membership, a.event_id,
+                            stream_id))
+            invalidations.append(CachesRow(CURRENT_STATE_CACHE, (spec.room_id, spec.state_key), now_ms))
+        elif spec.type == CREATE:
+            invalidations.append(CachesRow("get_room", (spec.room_id,), now_ms))
+        for destination in a.destinations or ():
+            destinations.append((destination, spec.room_id, stream_id, instance_name))
+        if spec.txn_id is not None and spec.event_id is None:
+            txn_ids.append((spec.sender, spec.txn_id, a.event_id, stream_id, instance_name))
+        ctx.add_rows(
+            "events", stream_id,
+            [EventsRow(a.event_id, spec.room_id, spec.type, spec.state_key, spec.sender, spec.membership)],
+            room_id=spec.room_id, event_id=a.event_id,
+        )
+    txn.insert_many("events", EVENT_COLUMNS, events)
+    txn.upsert_many(
+        "rooms", ("room_id",), ("creator", "created_ts", "latest_event_id", "latest_depth", "latest_stream_ordering"),
+        [(r, rooms[r].creator, rooms[r].created_ts, *head) for r, head in heads.items()],
+    )
+    txn.upsert_many("current_state", ("room_id", "type", "state_key"), ("event_id",), state)
+    txn.upsert_many("room_memberships", ("room_id", "user_id"),
+                    ("server_name", "membership", "event_id", "stream_ordering"), members)
+    txn.upsert_many("destination_rooms", ("destination", "room_id"), ("stream_ordering", "instance_name"), destinations)
+    txn.insert_many("event_txn_ids", ("user_id", "txn_id", "event_id", "stream_ordering", "instance_name"), txn_ids)
+    if invalidations:
+        write_invalidations_txn(ctx, instance_name, invalidations)
+
+
+EVENT_COLUMNS = (
+    "stream_ordering", "instance_name", "event_id", "room_id", "type", "state_key", "sender", "membership",
+    "content", "origin_server_ts", "origin", "prev_event_id", "depth", "received_ts", "destinations",
+)
 
 
 def write_invalidations_txn(ctx: StreamWriteContext, instance_name: str, rows: Sequence[CachesRow]) -> None:
     """Record cache invalidations on the caches stream, in the caller's transaction."""
     ids = ctx.allocate("caches", len(rows))
-    for stream_id, row in zip(ids, rows, strict=True):
-        ctx.txn.execute(
-            "INSERT INTO cache_invalidations (stream_id, instance_name, cache_name, keys, invalidation_ts) "
-            "VALUES (?, ?, ?, ?, ?)",
-            (stream_id, instance_name, row.cache_name, None if row.keys is None else json.dumps(list(row.keys)),
-             row.invalidation_ts),
-        )
-        ctx.add_rows("caches", stream_id, [row])
-
-
-def _existing_txn(txn: Any, spec: EventSpec) -> tuple[str, int, str] | None:
-    if spec.event_id is not None:
-        txn.execute("SELECT event_id, stream_ordering, instance_name FROM events WHERE event_id = ?", (spec.event_id,))
-    elif spec.txn_id is not None:
-        txn.execute(
-            "SELECT event_id, stream_ordering, instance_name FROM event_txn_ids WHERE user_id = ? AND txn_id = ?",
-            (spec.sender, spec.txn_id),
-        )
-    else:
-        return None
-    row = txn.fetchone()
-    return (row[0], int(row[1]), row[2]) if row else None
+    ctx.txn.insert_many(
+        "cache_invalidations", ("stream_id", "instance_name", "cache_name", "keys", "invalidation_ts"),
+        [(sid, instance_name, row.cache_name, None if row.keys is None else json.dumps(list(row.keys)),
+          row.invalidation_ts) for sid, row in zip(ids, rows, strict=True)],
+    )
+    for sid, row in zip(ids, rows, strict=True):
+        ctx.add_rows("caches", sid, [row])
 
 
 def _check(spec: EventSpec, room: _RoomState, server_name: str) -> None:
@@ -243,85 +357,22 @@ def _check(spec: EventSpec, room: _RoomState, server_name: str) -> None:
         raise _Refused(403, "M_FORBIDDEN", f"{spec.sender} is not joined to room {spec.room_id}")
 
 
-def _apply_to_state(spec: EventSpec, room: _RoomState, server_name: str) -> None:
-    if spec.type == CREATE:
-        room.created = True
+def _apply_to_state(spec: EventSpec, room: _RoomState, server_name: str, now_ms: int) -> bool:
+    """Apply an accepted event to the room's state; True if it made its remote sender a member."""
     if not room.exists and not room.created:
-        room.created = True  # a remote room, known from now on
+        # A room created here, or a remote room known from now on.
+        room.created = True
+        room.creator = spec.sender
+        room.created_ts = now_ms
+    implicit_join = False
     if spec.origin != server_name and spec.sender not in room.members:
         # A remote server's user acting in the room is in it, as far as we know
         # (without full state resolution, that is what we can tell).
         room.members[spec.sender] = "join"
+        implicit_join = True
     if spec.membership is not None and spec.state_key is not None:
         room.members[spec.state_key] = spec.membership
-
-
-def _write_event_txn(
-    txn: Any, ctx: StreamWriteContext, stream_id: int, spec: EventSpec, event_id: str,
-    room: _RoomState, server_name: str, instance_name: str, now_ms: int,
-) -> bool:
-    if not room.exists:
-        txn.execute(
-            "INSERT INTO rooms (room_id, creator, created_ts, latest_depth) VALUES (?, ?, ?, 0)",
-            (spec.room_id, spec.sender, now_ms),
-        )
-        room.exists = True
-    local = spec.origin == server_name
-    destinations = room.remote_hosts(server_name) if local else []
-    room.depth += 1
-    txn.execute(
-        "INSERT INTO events (stream_ordering, instance_name, event_id, room_id, type, state_key, sender, "
-        "membership, content, origin_server_ts, origin, prev_event_id, depth, received_ts, destinations) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        (stream_id, instance_name, event_id, spec.room_id, spec.type, spec.state_key, spec.sender,
-         spec.membership, json.dumps(spec.content, separators=(",", ":")), spec.origin_server_ts, spec.origin,
-         room.latest_event_id, room.depth, now_ms, json.dumps(destinations) if local else None),
-    )
-    room.latest_event_id = event_id
-    txn.execute(
-        "UPDATE rooms SET latest_event_id = ?, latest_depth = ?, latest_stream_ordering = ? WHERE room_id = ?",
-        (event_id, room.depth, stream_id, spec.room_id),
-    )
-    if spec.state_key is not None:
-        _upsert(txn, "current_state", ("room_id", "type", "state_key"), ("event_id",),
-                (spec.room_id, spec.type, spec.state_key, event_id))
-    member_cols = ("server_name", "membership", "event_id", "stream_ordering")
-    implicit_join = not local and not _membership_known(txn, spec.room_id, spec.sender)
-    if implicit_join:
-        _upsert(txn, "room_memberships", ("room_id", "user_id"), member_cols,
-                (spec.room_id, spec.sender, server_of(spec.sender), "join", event_id, stream_id))
-    if spec.membership is not None and spec.state_key is not None:
-        _upsert(txn, "room_memberships", ("room_id", "user_id"), member_cols,
-                (spec.room_id, spec.state_key, server_of(spec.state_key), spec.membership, event_id, stream_id))
-    for destination in destinations:
-        _upsert(txn, "destination_rooms", ("destination", "room_id"), ("stream_ordering", "instance_name"),
-                (destination, spec.room_id, stream_id, instance_name))
-    if spec.txn_id is not None and local:
-        txn.execute(
-            "INSERT INTO event_txn_ids (user_id, txn_id, event_id, stream_ordering, instance_name) VALUES (?, ?, ?, ?, ?)",
-            (spec.sender, spec.txn_id, event_id, stream_id, instance_name),
-        )
-    ctx.add_rows(
-        "events", stream_id,
-        [EventsRow(event_id, spec.room_id, spec.type, spec.state_key, spec.sender, spec.membership)],
-        room_id=spec.room_id, event_id=event_id,
-    )
     return implicit_join
-
-
-def _membership_known(txn: Any, room_id: str, user_id: str) -> bool:
-    txn.execute("SELECT 1 FROM room_memberships WHERE room_id = ? AND user_id = ?", (room_id, user_id))
-    return txn.fetchone() is not None
-
-
-def _upsert(txn: Any, table: str, keys: Sequence[str], values: Sequence[str], args: Sequence[Any]) -> None:
-    cols = (*keys, *values)
-    marks = ", ".join("?" for _ in cols)
-    updates = ", ".join(f"{v} = excluded.{v}" for v in values)
-    txn.execute(
-        f"INSERT INTO {table} ({', '.join(cols)}) VALUES ({marks}) ON CONFLICT ({', '.join(keys)}) DO UPDATE SET {updates}",
-        tuple(args),
-    )
 
 
 def _first_error(failure: Any) -> Any:
@@ -329,7 +380,11 @@ def _first_error(failure: Any) -> Any:
 
 
 class EventPersister:
-    """Batches persist requests into one transaction at a time.
+    """Batches persist requests into transactions, several at once over disjoint rooms.
+
+    A room's events are never in two transactions at the same time, so each
+    room is still written by one transaction after another, in request
+    order; events of other rooms proceed in parallel.
 
     Args:
         writers: this process's stream writers (events and caches).
@@ -337,11 +392,13 @@ class EventPersister:
         event_writers: the ordered persister list rooms shard over.
         clock: timestamps.
         new_event_id: makes a fresh event ID for a local event.
+        max_batch: events per transaction at most.
+        max_in_flight: transactions running at once at most.
     """
 
     def __init__(self, writers: StreamWriters, *, server_name: str, instance_name: str,
                  event_writers: Sequence[str], clock: IReactorTime, new_event_id: Any,
-                 max_batch: int = MAX_BATCH) -> None:
+                 max_batch: int = MAX_BATCH, max_in_flight: int = MAX_IN_FLIGHT) -> None:
         self.writers = writers
         self.server_name = server_name
         self.instance_name = instance_name
@@ -349,8 +406,10 @@ class EventPersister:
         self.clock = clock
         self.new_event_id = new_event_id
         self.max_batch = max_batch
+        self.max_in_flight = max_in_flight
         self._pending: list[tuple[EventSpec, Deferred[PersistResult]]] = []
-        self._running = False
+        self._busy_rooms: set[str] = set()
+        self._in_flight = 0
         self._idle_waiters: list[Deferred[None]] = []
         self.batches = 0
         self.persisted = 0
@@ -359,7 +418,7 @@ class EventPersister:
         return shard_for(room_id, self.event_writers)
 
     def persist(self, specs: Sequence[EventSpec]) -> Deferred[list[PersistResult]]:
-        """Queue events for the next batch; fires with one result per event."""
+        """Queue events for the next batches; fires with one result per event."""
         from twisted.internet.defer import gatherResults
 
         ds = []
@@ -372,39 +431,61 @@ class EventPersister:
             d: Deferred[PersistResult] = Deferred()
             self._pending.append((spec, d))
             ds.append(d)
-        if not self._running:
-            self._run_batch()
+        self._start_batches()
         return gatherResults(ds, consumeErrors=True).addErrback(_first_error)
 
     def drain(self) -> Deferred[None]:
         """Fires once every queued and in-flight event has been persisted (for shutdown)."""
         d: Deferred[None] = Deferred()
-        if not self._running:
+        if not self._in_flight and not self._pending:
             d.callback(None)
         else:
             self._idle_waiters.append(d)
         return d
 
-    def _run_batch(self) -> None:
-        if not self._pending:
-            self._running = False
+    def _start_batches(self) -> None:
+        while self._pending and self._in_flight < self.max_in_flight:
+            batch: list[tuple[EventSpec, Deferred[PersistResult]]] = []
+            rest: list[tuple[EventSpec, Deferred[PersistResult]]] = []
+            rooms: set[str] = set()
+            blocked: set[str] = set()
+            for item in self._pending:
+                room_id = item[0].room_id
+                # Keep a room's order: once one of its events waits, the later ones wait too.
+                if len(batch) < self.max_batch and room_id not in self._busy_rooms and room_id not in blocked:
+                    batch.append(item)
+                    rooms.add(room_id)
+                else:
+                    blocked.add(room_id)
+                    rest.append(item)
+            if not batch:
+                return
+            self._pending = rest
+            self._busy_rooms |= rooms
+            self._in_flight += 1
+            self._run_batch(batch, rooms)
+        if not self._in_flight and not self._pending:
             waiters, self._idle_waiters = self._idle_waiters, []
             for w in waiters:
                 w.callback(None)
-            return
-        self._running = True
-        batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch:]
+
+    def _run_batch(self, batch: list[tuple[EventSpec, Deferred[PersistResult]]], rooms: set[str]) -> None:
         specs = [s for s, _ in batch]
         ids = [s.event_id or self.new_event_id() for s in specs]
         now_ms = int(self.clock.seconds() * 1000)
+        started = time.perf_counter()
+        BATCH_SIZE.observe(len(batch))
         d = self.writers.run_write(
             "persist_events", ["events", "caches"], persist_events_txn, specs, ids,
             server_name=self.server_name, instance_name=self.instance_name, now_ms=now_ms,
         )
 
         def done(results: list[PersistResult]) -> None:
+            BATCH_SECONDS.observe(time.perf_counter() - started)
             self.batches += 1
-            self.persisted += sum(1 for r in results if r.error is None and not r.duplicate)
+            persisted = sum(1 for r in results if r.error is None and not r.duplicate)
+            self.persisted += persisted
+            EVENTS_PERSISTED.inc(persisted)
             for (_, waiter), result in zip(batch, results, strict=True):
                 waiter.callback(result)
 
@@ -413,5 +494,10 @@ class EventPersister:
             for _, waiter in batch:
                 waiter.errback(failure)
 
+        def finished(_: Any) -> None:
+            self._in_flight -= 1
+            self._busy_rooms -= rooms
+            self._start_batches()
+
         d.addCallbacks(done, failed)
-        d.addBoth(lambda _: self._run_batch())
+        d.addBoth(finished)

@@ -12,21 +12,35 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from twisted.internet.defer import Deferred, gatherResults
+from twisted.python.failure import Failure
+
 from synflow.errors import HttpApiError
 from synflow.events.persist import EventPersister, EventSpec, PersistResult
 from synflow.replication.rpc import RpcClient, RpcServer
 from synflow.sharding import shard_for
 
+#: Events sent in one persist_events call at most.
+MAX_RPC_BATCH = 500
+
 
 class EventRouter:
-    """Sends events to their rooms' persisters and collects the results in order."""
+    """Sends events to their rooms' persisters and collects the results in order.
+
+    Calls to one remote persister made in the same reactor turn share one
+    ``persist_events`` RPC (up to :data:`MAX_RPC_BATCH` events): under load,
+    HTTP costs are paid per batch rather than per event.
+    """
 
     def __init__(self, instance_name: str, event_writers: Sequence[str], persister: EventPersister | None,
-                 rpc: RpcClient | None) -> None:
+                 rpc: RpcClient | None, clock: Any = None) -> None:
         self.instance_name = instance_name
         self.event_writers = list(event_writers)
         self.persister = persister
         self.rpc = rpc
+        self.clock = clock
+        self._outbox: dict[str, list[tuple[EventSpec, Deferred[PersistResult]]]] = {}
+        self._flush_scheduled: set[str] = set()
 
     def owner_of(self, room_id: str) -> str:
         return shard_for(room_id, self.event_writers)
@@ -43,11 +57,51 @@ class EventRouter:
             else:
                 if self.rpc is None:
                     raise HttpApiError(502, "M_UNKNOWN", f"cannot reach event persister {owner!r}")
-                raw = await self.rpc.call(owner, "persist_events", {"events": [s.to_json() for s in batch]})
-                got = [PersistResult.from_json(r) for r in raw]
+                got = await gatherResults([self._queue(owner, spec) for spec in batch], consumeErrors=True).addErrback(
+                    _first_error
+                )
             for i, result in zip(indexes, got, strict=True):
                 results[i] = result
         return [r for r in results if r is not None]
+
+
+    def _queue(self, owner: str, spec: EventSpec) -> Deferred[PersistResult]:
+        d: Deferred[PersistResult] = Deferred()
+        self._outbox.setdefault(owner, []).append((spec, d))
+        if owner not in self._flush_scheduled:
+            self._flush_scheduled.add(owner)
+            if self.clock is None:
+                self._flush(owner)
+            else:
+                self.clock.callLater(0, self._flush, owner)
+        return d
+
+    def _flush(self, owner: str) -> None:
+        self._flush_scheduled.discard(owner)
+        pending = self._outbox.pop(owner, [])
+        for i in range(0, len(pending), MAX_RPC_BATCH):
+            chunk = pending[i: i + MAX_RPC_BATCH]
+            Deferred.fromCoroutine(self._call(owner, chunk))
+
+    async def _call(self, owner: str, chunk: list[tuple[EventSpec, Deferred[PersistResult]]]) -> None:
+        assert self.rpc is not None
+        try:
+            raw = await self.rpc.call(owner, "persist_events", {"events": [s.to_json() for s, _ in chunk]})
+            results = [PersistResult.from_json(r) for r in raw]
+            if len(results) != len(chunk):
+                raise HttpApiError(502, "M_UNKNOWN", f"{owner!r} answered {len(results)} results for {len(chunk)} events")
+        except Exception:
+            failure = Failure()
+            for _, d in chunk:
+                d.errback(failure)
+            return
+        for (_, d), result in zip(chunk, results, strict=True):
+            d.callback(result)
+
+
+def _first_error(failure: Failure) -> Failure:
+    inner: Failure = failure.value.subFailure  # type: ignore[union-attr]
+    return inner
 
 
 def serve_persist(server: RpcServer, persister: EventPersister) -> None:

@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import re
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -27,8 +28,14 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
 from synflow.errors import HttpApiError
+from synflow.metrics import histogram
 
 logger = logging.getLogger(__name__)
+
+REQUEST_SECONDS = histogram(
+    "synflow_http_request_seconds", "Time to answer an HTTP request, by route", ["route", "code"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
 
 Handler = Callable[..., Awaitable[tuple[int, Any]]]
 
@@ -57,6 +64,16 @@ class LimitedRequest(Request):
         super().handleContentChunk(data)
 
 
+def no_delay(transport: Any) -> None:
+    """Turn off Nagle's algorithm: small request/response writes must not wait for ACKs."""
+    set_no_delay = getattr(transport, "setTcpNoDelay", None)
+    if set_no_delay is not None:
+        try:
+            set_no_delay(True)
+        except OSError:  # not a TCP socket (a Unix socket, a test transport)
+            pass
+
+
 def _limit(request: Request) -> int:
     site = getattr(request.channel, "site", None)
     return int(getattr(site, "max_body_bytes", DEFAULT_MAX_BODY))
@@ -70,6 +87,17 @@ class JsonSite(Site):
     def __init__(self, resource: Resource, *, max_body_bytes: int = DEFAULT_MAX_BODY, **kwargs: Any) -> None:
         super().__init__(resource, **kwargs)
         self.max_body_bytes = max_body_bytes
+
+    def buildProtocol(self, addr: Any) -> Any:
+        protocol = super().buildProtocol(addr)
+        make_connection = protocol.makeConnection
+
+        def make(transport: Any) -> None:
+            no_delay(transport)
+            make_connection(transport)
+
+        protocol.makeConnection = make
+        return protocol
 
     def log(self, request: Any) -> None:  # access logs go through stdlib logging at debug
         logger.debug("%s %s %s", request.method, request.uri, request.code)
@@ -190,6 +218,8 @@ class JsonResource(Resource):
         respond_json(request, 500, {"errcode": "M_UNKNOWN", "error": "internal server error"})
 
     async def _dispatch(self, request: Request) -> None:
+        started = time.perf_counter()
+        route = "unrouted"
         try:
             if getattr(request, "too_large", False):
                 limit = _limit(request)
@@ -214,14 +244,17 @@ class JsonResource(Resource):
                 if method != request.method:
                     continue
                 args = {k: v.replace("%2F", "/") for k, v in match.groupdict().items()}
+                route = handler.__name__
                 code, body = await handler(request, **args)
                 respond_json(request, code, body)
+                REQUEST_SECONDS.labels(route=route, code=str(code)).observe(time.perf_counter() - started)
                 return
             if allowed:
                 raise HttpApiError(405, "M_UNRECOGNIZED", f"method {request.method.decode()} not allowed here")
             raise HttpApiError(404, "M_UNRECOGNIZED", "unrecognized request")
         except HttpApiError as e:
             respond_json(request, e.code, e.to_json())
+            REQUEST_SECONDS.labels(route=route, code=str(e.code)).observe(time.perf_counter() - started)
 
     def body(self, request: Request, *, want_object: bool = True) -> Any:
         """The request's JSON body, strictly parsed (an empty body is ``{}``)."""

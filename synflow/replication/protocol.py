@@ -139,6 +139,12 @@ class ReplicationProtocol(LineOnlyReceiver):
 
     def connectionMade(self) -> None:
         self._connected = True
+        set_no_delay = getattr(self.transport, "setTcpNoDelay", None)
+        if set_no_delay is not None:
+            try:
+                set_no_delay(True)  # replication lines are small: never hold them back
+            except OSError:
+                pass
         self.transport.registerProducer(self, True)
         self._schedule_tick()
         actions = self.core.connection_made(self.clock.seconds())

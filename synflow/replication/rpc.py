@@ -27,21 +27,26 @@ import json
 import logging
 import random
 import secrets
+import time
 from collections.abc import Awaitable, Callable, Mapping
+from io import BytesIO
 from typing import Any
 
-from treq.client import HTTPClient
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.endpoints import TCP4ClientEndpoint
 from twisted.internet.error import ConnectError, ConnectingCancelledError, TimeoutError
 from twisted.internet.interfaces import IReactorTime
-from twisted.web.client import Agent, HTTPConnectionPool, ResponseFailed
+from twisted.web.client import Agent, FileBodyProducer, HTTPConnectionPool, ResponseFailed, readBody
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import IAgentEndpointFactory
 from twisted.web.server import Request
+from zope.interface import implementer
 
 from synflow.backoff import Backoff
 from synflow.config import HostPort
 from synflow.errors import HttpApiError
-from synflow.http.server import JsonResource, bearer_token
-from synflow.metrics import counter
+from synflow.http.server import JsonResource, bearer_token, no_delay
+from synflow.metrics import counter, histogram
 from synflow.util import observe, sleep
 
 logger = logging.getLogger(__name__)
@@ -56,6 +61,10 @@ REQUEST_TIMEOUT_S = 30.0
 
 RPC_CALLS = counter("synflow_rpc_calls_total", "Internal RPC calls made", ["name", "outcome"])
 RPC_SERVED = counter("synflow_rpc_served_total", "Internal RPC calls served", ["name", "outcome"])
+RPC_SECONDS = histogram(
+    "synflow_rpc_seconds", "Time spent in internal RPC, by side and phase", ["name", "side", "phase"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
 
 Positions = dict[str, dict[str, int]]
 
@@ -126,8 +135,12 @@ class RpcServer(JsonResource):
             positions = body.get("positions") or {}
             if not isinstance(positions, dict) or not all(isinstance(v, dict) for v in positions.values()):
                 raise HttpApiError(400, "M_BAD_JSON", "positions must map streams to {instance: position}")
+            started = time.perf_counter()
             await self.positions.wait_for(positions)
+            waited = time.perf_counter()
+            RPC_SECONDS.labels(name=name, side="server", phase="wait").observe(waited - started)
             result = await method(body.get("args", {}))
+            RPC_SECONDS.labels(name=name, side="server", phase="run").observe(time.perf_counter() - waited)
         except HttpApiError as e:
             RPC_SERVED.labels(name=name, outcome=str(e.code)).inc()
             return e.code, {**e.to_json(), "positions": self.positions.own_positions()}
@@ -138,6 +151,29 @@ class RpcServer(JsonResource):
                          "positions": self.positions.own_positions()}
         RPC_SERVED.labels(name=name, outcome="ok").inc()
         return 200, {"result": result, "positions": self.positions.own_positions()}
+
+
+@implementer(IAgentEndpointFactory)
+class _NoDelayEndpoints:
+    """Plain TCP endpoints whose connections have Nagle's algorithm off."""
+
+    def __init__(self, reactor: Any) -> None:
+        self.reactor = reactor
+
+    def endpointForURI(self, uri: Any) -> Any:
+        return _NoDelayEndpoint(TCP4ClientEndpoint(self.reactor, uri.host.decode(), uri.port))
+
+
+class _NoDelayEndpoint:
+    def __init__(self, endpoint: Any) -> None:
+        self.endpoint = endpoint
+
+    def connect(self, factory: Any) -> Any:
+        def made(protocol: Any) -> Any:
+            no_delay(protocol.transport)
+            return protocol
+
+        return self.endpoint.connect(factory).addCallback(made)
 
 
 class RpcClient:
@@ -164,7 +200,10 @@ class RpcClient:
         self.timeout_s = timeout_s
         self.pool = HTTPConnectionPool(reactor, persistent=True)
         self.pool.maxPersistentPerHost = 8
-        self.http = http if http is not None else HTTPClient(Agent(reactor, pool=self.pool))
+        # A bare Agent: treq's redirect, cookie and decompression layers cost
+        # more CPU than the call itself on this hot path.
+        self.agent = Agent.usingEndpointFactory(reactor, _NoDelayEndpoints(reactor), pool=self.pool)
+        self.http = http
 
     def close(self) -> Deferred[None]:
         return self.pool.closeCachedConnections()
@@ -183,17 +222,34 @@ class RpcClient:
         last_error: Exception | None = None
         for attempt in range(1, MAX_ATTEMPTS + 1):
             try:
-                response = await self.http.post(url, data=body, headers=headers, timeout=self.timeout_s)
-                content = await response.content()
+                started = time.perf_counter()
+                code, content = await self._post(url, body, headers)
+                RPC_SECONDS.labels(name=name, side="client", phase="http").observe(time.perf_counter() - started)
             except (ConnectError, ConnectingCancelledError, TimeoutError, ResponseFailed) as e:
                 last_error = e
                 delay = self.backoff.delay(attempt, self.rng)
                 logger.info("RPC %s to %s failed (%s); retry %d in %.2fs", name, instance, type(e).__name__, attempt, delay)
                 await sleep(self.reactor, delay)
                 continue
-            return await self._finish(instance, name, response.code, content)
+            return await self._finish(instance, name, code, content)
         RPC_CALLS.labels(name=name, outcome="unreachable").inc()
         raise HttpApiError(502, "M_UNKNOWN", f"failed to talk to {instance!r} ({type(last_error).__name__})")
+
+    async def _post(self, url: str, body: bytes, headers: dict[Any, Any]) -> tuple[int, bytes]:
+        if self.http is not None:  # an injected treq-like client (tests)
+            response = await self.http.post(url, data=body, headers=headers, timeout=self.timeout_s)
+            return response.code, await response.content()
+        d = self.agent.request(b"POST", url.encode(), Headers(headers), FileBodyProducer(BytesIO(body)))
+        timer = self.reactor.callLater(self.timeout_s, d.cancel)
+        try:
+            response = await d
+            content = await readBody(response)
+        except CancelledError:
+            raise TimeoutError(f"no answer within {self.timeout_s}s") from None
+        finally:
+            if timer.active():
+                timer.cancel()
+        return response.code, content
 
     async def _finish(self, instance: str, name: str, code: int, content: bytes) -> Any:
         try:
@@ -203,7 +259,9 @@ class RpcClient:
             raise HttpApiError(502, "M_UNKNOWN", f"{instance!r} answered {code} with a non-JSON body") from None
         positions = data.get("positions") if isinstance(data, dict) else None
         if isinstance(positions, dict):
+            started = time.perf_counter()
             await self.positions.wait_for(positions)
+            RPC_SECONDS.labels(name=name, side="client", phase="wait").observe(time.perf_counter() - started)
         if code != 200:
             RPC_CALLS.labels(name=name, outcome=str(code)).inc()
             extra = {k: v for k, v in data.items() if k not in ("errcode", "error", "positions")}

@@ -299,9 +299,9 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def insert_many_txn(
-        self, cursor: Any, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]
+        self, cursor: Any, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], suffix: str = ""
     ) -> None:
-        """Insert ``rows`` into ``table`` in as few statements as is sensible."""
+        """Insert ``rows`` into ``table`` in as few statements as is sensible (``suffix``: ON CONFLICT ...)."""
 
     @abc.abstractmethod
     def table_exists_txn(self, txn: Txn, table: str) -> bool:
@@ -369,10 +369,10 @@ class SqliteEngine(Engine):
         cursor.execute("BEGIN" if read_only else "BEGIN IMMEDIATE")
 
     def insert_many_txn(
-        self, cursor: Any, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]
+        self, cursor: Any, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], suffix: str = ""
     ) -> None:
         marks = ", ".join("?" for _ in columns)
-        cursor.executemany(f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({marks})", rows)
+        cursor.executemany(f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({marks}){suffix}", rows)
 
     def table_exists_txn(self, txn: Txn, table: str) -> bool:
         txn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (table,))
@@ -425,11 +425,11 @@ class PostgresEngine(Engine):
         conn.set_session(autocommit=on)
 
     def insert_many_txn(
-        self, cursor: Any, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]
+        self, cursor: Any, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], suffix: str = ""
     ) -> None:
         from psycopg2.extras import execute_values
 
-        sql = f"INSERT INTO {table} ({', '.join(columns)}) VALUES %s"
+        sql = f"INSERT INTO {table} ({', '.join(columns)}) VALUES %s{suffix}"
         execute_values(cursor, sql, rows, page_size=INSERT_PAGE_SIZE)
 
     def table_exists_txn(self, txn: Txn, table: str) -> bool:
@@ -512,6 +512,28 @@ class Txn:
                 raise ValueError(f"row {row!r} has {len(row)} values for {len(columns)} columns")
         if batch:
             self.engine.insert_many_txn(self._cursor, table, columns, batch)
+
+    def upsert_many(self, table: str, keys: Sequence[str], values: Sequence[str],
+                    rows: Iterable[Sequence[Any]]) -> None:
+        """Insert rows, or update ``values`` of the rows whose ``keys`` already exist.
+
+        Rows repeating a key are collapsed to the last one (one statement
+        may not update a row twice).
+        """
+        latest: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        for row in rows:
+            row = tuple(row)
+            latest[row[: len(keys)]] = row
+        if not latest:
+            return
+        for ident in (table, *keys, *values):
+            if not _IDENTIFIER.match(ident):
+                raise ValueError(f"not a plain SQL identifier: {ident!r}")
+        action = (
+            "DO UPDATE SET " + ", ".join(f"{v} = excluded.{v}" for v in values) if values else "DO NOTHING"
+        )
+        suffix = f" ON CONFLICT ({', '.join(keys)}) {action}"
+        self.engine.insert_many_txn(self._cursor, table, (*keys, *values), list(latest.values()), suffix)
 
     def fetchone(self) -> tuple[Any, ...] | None:
         """The next result row, or None."""
