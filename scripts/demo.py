@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -37,53 +35,17 @@ import urllib.request
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, ROOT)
 
-import yaml  # noqa: E402
 from twisted.internet import reactor  # noqa: E402
 from twisted.internet.defer import ensureDeferred  # noqa: E402
 
+from synflow.tools.deploy import DEFAULT_PORTS, free_port, make_deployment  # noqa: E402
 from synflow.tools.workload import Workload  # noqa: E402
 
-DEFAULT_PORTS = [8008, 9092, 9093, 9094, 9095, 9096, 9097, 9101, 9102, 9103, 9104, 9105]
 PEER = "peer.localhost"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def step(msg: str) -> None:
     print(f"==> {msg}", flush=True)
-
-
-def make_deployment(target: str, server_name: str, port_map: dict[int, int], peer: str, peer_url: str,
-                    processes: list[str] | None, writers: list[str] | None) -> None:
-    """Copy workers/ into ``target`` with ports remapped and federation to ``peer``."""
-    os.makedirs(target, exist_ok=True)
-    source = os.path.join(ROOT, "workers")
-    for name in sorted(os.listdir(source)):
-        if name == "production.yaml" or not name.endswith(".yaml"):
-            continue
-        if processes is not None and name != "shared.yaml" and name[:-5] not in processes:
-            continue
-        with open(os.path.join(source, name), encoding="utf-8") as f:
-            text = f.read()
-        text = re.sub(r"\b(\d{4,5})\b", lambda m: str(port_map.get(int(m.group(1)), m.group(1))), text)
-        data = yaml.safe_load(text)
-        if name == "shared.yaml":
-            data["server_name"] = server_name
-            data["federation"] = {
-                "destinations": {peer: peer_url}, "wakeup_interval_s": 2.0, "request_timeout_s": 10.0,
-                "backoff": {"initial_s": 0.5, "multiplier": 2.0, "max_s": 10.0, "jitter": 0.1},
-            }
-            if processes is not None:
-                data["instance_map"] = {k: v for k, v in data["instance_map"].items() if k in processes}
-                data["stream_writers"] = {"events": writers}
-                data["federation_sender_instances"] = [p for p in processes if p.startswith("federation_sender")]
-                data["caches"] = {"cache_invalidator_instances": [p for p in processes if p.startswith("cache_")]}
-        with open(os.path.join(target, name), "w", encoding="utf-8") as f:
-            yaml.safe_dump(data, f, sort_keys=False)
 
 
 def ctl(directory: str, command: str) -> int:
@@ -185,9 +147,9 @@ def main() -> int:
     home_ports = {p: (free_port() if args.free_ports else p) for p in DEFAULT_PORTS}
     peer_ports = {p: (free_port() if args.free_ports else p + 10000) for p in DEFAULT_PORTS}
     home_dir, peer_dir = os.path.join(out, "localhost"), os.path.join(out, PEER)
-    make_deployment(home_dir, "localhost", home_ports, PEER, f"http://127.0.0.1:{peer_ports[8008]}", None, None)
-    make_deployment(peer_dir, PEER, peer_ports, "localhost", f"http://127.0.0.1:{home_ports[8008]}",
-                    ["master", "persister1", "federation_sender1"], ["persister1"])
+    make_deployment(home_dir, "localhost", home_ports, peer=PEER, peer_url=f"http://127.0.0.1:{peer_ports[8008]}")
+    make_deployment(peer_dir, PEER, peer_ports, peer="localhost", peer_url=f"http://127.0.0.1:{home_ports[8008]}",
+                    processes=["master", "persister1", "federation_sender1"], writers=["persister1"])
     servers = {"localhost": [f"http://127.0.0.1:{home_ports[8008]}"], PEER: [f"http://127.0.0.1:{peer_ports[8008]}"]}
 
     started = []

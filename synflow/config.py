@@ -112,6 +112,7 @@ class DatabaseSection:
     cp_min: int | None = None
     cp_max: int | None = None
     connect_timeout_s: float | None = None
+    repair_positions: bool = True
 
 
 @attrs.frozen

@@ -138,3 +138,37 @@ class ConfigTest(SynchronousTestCase):
         self.assertIn("configuration error", result.stderr)
         self.assertIn("replication.transport", result.stderr)
         self.assertNotIn("Traceback", result.stderr + result.stdout)
+
+
+class DocsTest(SynchronousTestCase):
+    def test_every_key_documented(self):
+        """Every config key appears in docs/configuration.md."""
+        import typing
+
+        import attrs
+
+        from synflow.config import SynflowConfig
+
+        with open(os.path.join(os.path.dirname(__file__), "..", "docs", "configuration.md")) as f:
+            doc = f.read()
+        missing = []
+
+        def walk(cls, prefix=""):
+            hints = typing.get_type_hints(cls)
+            for field in attrs.fields(cls):
+                if field.name == "files":
+                    continue
+                path = prefix + field.name
+                tp = hints[field.name]
+                inner = [a for a in typing.get_args(tp) if attrs.has(a)]
+                if attrs.has(tp) or inner:
+                    walk(tp if attrs.has(tp) else inner[0], path + ".")
+                    if not (f"`{path}`" in doc or f"`{path}." in doc):
+                        missing.append(path)
+                    continue
+                parent, _, leaf = path.rpartition(".")
+                if f"`{path}`" not in doc and not (f"`{parent}" in doc and f".{leaf}`" in doc):
+                    missing.append(path)
+
+        walk(SynflowConfig)
+        self.assertEqual(missing, [], missing)

@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 
 def database_config(config: SynflowConfig) -> DatabaseConfig:
     """The storage layer's config from the ``database:`` section."""
-    section = {k: v for k, v in attrs.asdict(config.database).items() if v is not None}
+    section = {k: v for k, v in attrs.asdict(config.database).items()
+               if v is not None and k != "repair_positions"}
     if section.get("engine", "sqlite") == "sqlite" and "path" not in section:
         section["path"] = os.path.join(config.data_dir, "synflow.db")
     return DatabaseConfig.from_dict(section)

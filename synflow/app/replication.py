@@ -21,6 +21,7 @@ from twisted.internet.endpoints import clientFromString
 from synflow.app.services import ListeningService
 from synflow.audit import AuditLog
 from synflow.config import SynflowConfig, Transport
+from synflow.replication import metrics as replication_metrics
 from synflow.replication.client import ReplicationClientService
 from synflow.replication.handler import ReplicationHandler
 from synflow.replication.hub import ReplicationHub, ReplicationServerFactory
@@ -80,7 +81,8 @@ async def setup_replication(
     positions: dict[str, dict[str, int]] = {}
     for name, stream in STREAMS.items():
         state = await db.run_interaction(
-            f"load_stream_{name}", load_stream_state_txn, stream, me, True, idempotent=True
+            f"load_stream_{name}", load_stream_state_txn, stream, me, config.database.repair_positions,
+            idempotent=True
         )
         view = dict(state.positions)
         if stream.writers is Writers.CONFIGURED:
@@ -146,6 +148,7 @@ async def setup_replication(
         repl.client = client
         repl.transport = client
     handler.set_transport(repl.transport)
+    replication_metrics.watch(handler, repl.transport)
     return repl
 
 

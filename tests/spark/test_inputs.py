@@ -72,7 +72,7 @@ class InputTests(TestCase):
     def test_empty_token_log(self):
         """An empty token log is inconclusive: bad input."""
         write(self.logs, "token_logs", [])
-        self.assertIn("empty", self._error())
+        self.assertIn("token_logs: no records (the table is empty)", self._error())
 
     def test_missing_table(self):
         """A missing instance_map directory is bad input."""

@@ -1,0 +1,65 @@
+"""Copies of a deployment directory, for the main job, tests and benchmarks.
+
+:func:`make_deployment` copies ``workers/`` (or another deployment) into a new
+directory with its ports remapped (to run beside the original, or on free
+ports in tests), optionally federating with a peer server and keeping only
+some of the processes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+
+import yaml
+
+WORKERS = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "workers"))
+
+#: Every port the default deployment in workers/ uses.
+DEFAULT_PORTS = [8008, 9092, 9093, 9094, 9095, 9096, 9097, 9101, 9102, 9103, 9104, 9105]
+
+
+def free_port() -> int:
+    """A loopback TCP port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def make_deployment(target: str, server_name: str, port_map: dict[int, int], *, peer: str | None = None,
+                    peer_url: str | None = None, processes: list[str] | None = None,
+                    writers: list[str] | None = None, source: str = WORKERS) -> None:
+    """Copy the deployment in ``source`` into ``target``.
+
+    Ports are remapped through ``port_map``; with ``peer`` the copy federates
+    with that server at ``peer_url``; with ``processes`` only those process
+    files are kept (and ``writers`` become the event persisters).
+    """
+    os.makedirs(target, exist_ok=True)
+    for name in sorted(os.listdir(source)):
+        if name == "production.yaml" or not name.endswith(".yaml"):
+            continue
+        if processes is not None and name != "shared.yaml" and name[:-5] not in processes:
+            continue
+        with open(os.path.join(source, name), encoding="utf-8") as f:
+            text = f.read()
+        text = re.sub(r"\b(\d{4,5})\b", lambda m: str(port_map.get(int(m.group(1)), m.group(1))), text)
+        data = yaml.safe_load(text)
+        if name == "shared.yaml":
+            data["server_name"] = server_name
+            if peer is not None:
+                data["federation"] = {
+                    "destinations": {peer: peer_url}, "wakeup_interval_s": 2.0, "request_timeout_s": 10.0,
+                    "backoff": {"initial_s": 0.5, "multiplier": 2.0, "max_s": 10.0, "jitter": 0.1},
+                }
+            if processes is not None:
+                data["instance_map"] = {k: v for k, v in data["instance_map"].items() if k in processes}
+                data["stream_writers"] = {"events": writers}
+                data["federation_sender_instances"] = [p for p in processes if p.startswith("federation_sender")]
+                data["caches"] = {"cache_invalidator_instances": [p for p in processes if p.startswith("cache_")]}
+        with open(os.path.join(target, name), "w", encoding="utf-8") as f:
+            yaml.safe_dump(data, f, sort_keys=False)
+
+
