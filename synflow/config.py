@@ -73,7 +73,7 @@ class RedisConfig:
     host: str = "127.0.0.1"
     port: int = 6379
     path: str | None = None
-    password: str | None = None
+    password: str | None = attrs.field(default=None, repr=False)
     password_file: str | None = None
     dbid: int = 0
     tls: TlsConfig | None = None
@@ -88,7 +88,7 @@ class ReplicationConfig:
     transport: Transport = Transport.TCP
     hub: HostPort = HostPort("127.0.0.1", 9092)
     redis: RedisConfig = RedisConfig()
-    secret: str | None = None
+    secret: str | None = attrs.field(default=None, repr=False)
     secret_file: str | None = None
     ping_interval_s: float = 5.0
     ping_timeout_s: float = 15.0
@@ -107,7 +107,7 @@ class DatabaseSection:
     host: str | None = None
     port: int | None = None
     user: str | None = None
-    password: str | None = None
+    password: str | None = attrs.field(default=None, repr=False)
     dbname: str | None = None
     cp_min: int | None = None
     cp_max: int | None = None

@@ -64,6 +64,7 @@ def core_options(config: SynflowConfig) -> dict[str, Any]:
         "ping_timeout_s": r.ping_timeout_s,
         "high_water": r.high_water,
         "hard_limit": r.hard_limit,
+        "secret": config.replication_secret(),
     }
 
 

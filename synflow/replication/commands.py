@@ -288,6 +288,28 @@ class RemoteServerUpCommand:
 
 
 @attrs.frozen
+class AuthCommand:
+    """``AUTH <secret>`` -- the first line of a client when the hub requires a secret.
+
+    Only used when ``replication.secret`` is set (plain TCP without it stays
+    Synapse-compatible). The secret never appears in logs or reprs.
+
+    Example: ``AUTH s3cret``
+    """
+
+    NAME: ClassVar[str] = "AUTH"
+    SENDERS: ClassVar[Side] = Side.CLIENT
+    secret: str = attrs.field(validator=_check_text, repr=False)
+
+    @classmethod
+    def from_args(cls, args: str) -> AuthCommand:
+        return cls(args)
+
+    def to_args(self) -> str:
+        return self.secret
+
+
+@attrs.frozen
 class ReplicateCommand:
     """``REPLICATE`` -- ask every writer to announce its POSITION for each stream.
 
@@ -480,7 +502,8 @@ class FederationAckCommand:
 
 
 AnyCommand: TypeAlias = (
-    ServerCommand
+    AuthCommand
+    | ServerCommand
     | NameCommand
     | PingCommand
     | ErrorCommand
@@ -497,6 +520,7 @@ AnyCommand: TypeAlias = (
 COMMANDS: Final[dict[str, type[AnyCommand]]] = {
     cls.NAME: cls
     for cls in (
+        AuthCommand,
         ServerCommand,
         NameCommand,
         PingCommand,

@@ -21,6 +21,7 @@ sends ``ERROR Failed to keep up`` and closes.
 from __future__ import annotations
 
 import enum
+import hmac
 import logging
 from collections import deque
 from collections.abc import Iterable
@@ -32,6 +33,7 @@ from synflow.errors import ProtocolError, RemoteProtocolError
 from synflow.replication.commands import (
     MAX_LINE_LENGTH,
     AnyCommand,
+    AuthCommand,
     ErrorCommand,
     NameCommand,
     PingCommand,
@@ -172,6 +174,7 @@ class ConnectionCore:
         hard_limit: int = HARD_LIMIT_COMMANDS,
         high_water_bytes: int = HIGH_WATER_BYTES,
         hard_limit_bytes: int = HARD_LIMIT_BYTES,
+        secret: str | None = None,
     ) -> None:
         if side not in (Side.SERVER, Side.CLIENT, Side.BOTH):
             raise ValueError("a connection core is the SERVER, the CLIENT, or BOTH (a pub/sub bus)")
@@ -189,6 +192,8 @@ class ConnectionCore:
         self.high_water_bytes = high_water_bytes
         self.hard_limit_bytes = hard_limit_bytes
 
+        self.secret = secret
+        self.authenticated = side is not Side.SERVER or secret is None
         self.state = State.CONNECTING
         self.peer_name: str | None = None
         self.handshake_complete = False
@@ -232,6 +237,8 @@ class ConnectionCore:
             actions += self._send_now(PingCommand(_ping_data(now)), now)
         else:
             assert self.instance_name is not None
+            if self.secret is not None:
+                actions += self._send_now(AuthCommand(self.secret), now)
             actions += self._send_now(NameCommand(self.instance_name), now)
             actions += self._send_now(PingCommand(_ping_data(now)), now)
             actions += self._send_now(ReplicateCommand(), now)
@@ -279,6 +286,18 @@ class ConnectionCore:
         if not may_send(cmd, peer):
             logger.warning("closing %s: %s may not be sent by a %s", self._describe(), cmd.NAME, peer.word)
             return self.close(f"invalid command from {peer.word}: {cmd.NAME}", now)
+        if not self.authenticated:
+            if not isinstance(cmd, AuthCommand):
+                logger.warning("closing %s: %s before AUTH", self._describe(), cmd.NAME)
+                return self.close("authentication required: send AUTH <secret> first", now)
+            assert self.secret is not None
+            if not hmac.compare_digest(cmd.secret.encode(), self.secret.encode()):
+                logger.warning("closing %s: wrong replication secret", self._describe())
+                return self.close("authentication failed", now)
+            self.authenticated = True
+            return []
+        if isinstance(cmd, AuthCommand):
+            return []  # a hub without a secret ignores AUTH
         self.stats.commands_in[cmd.NAME] = self.stats.commands_in.get(cmd.NAME, 0) + 1
         actions: list[Action] = []
         if isinstance(cmd, PingCommand):

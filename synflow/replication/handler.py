@@ -43,6 +43,7 @@ from synflow.audit import AuditLog
 from synflow.errors import ProtocolError
 from synflow.replication.commands import (
     AnyCommand,
+    AuthCommand,
     ClearUserSyncCommand,
     ErrorCommand,
     FederationAckCommand,
@@ -163,6 +164,7 @@ class ReplicationHandler:
             RdataCommand: self._on_stream_command,
             PositionCommand: self._on_stream_command,
             ReplicateCommand: self._on_replicate,
+            AuthCommand: self._ignore,  # consumed by the connection core
             PingCommand: self._ignore,
             ServerCommand: self._ignore,
             NameCommand: self._ignore,

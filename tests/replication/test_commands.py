@@ -15,6 +15,7 @@ from synflow.errors import LocalProtocolError, ProtocolError, RemoteProtocolErro
 from synflow.replication.commands import (
     COMMANDS,
     MAX_LINE_LENGTH,
+    AuthCommand,
     ClearUserSyncCommand,
     ErrorCommand,
     FederationAckCommand,
@@ -56,6 +57,7 @@ _json = st.recursive(
 _rows = st.lists(_json, max_size=6)
 
 commands = st.one_of(
+    st.builds(AuthCommand, _text),
     st.builds(ServerCommand, _text),
     st.builds(NameCommand, _text),
     st.builds(PingCommand, _text),
@@ -116,6 +118,7 @@ class RoundTripTest(SynchronousTestCase):
 
 class GoldenLinesTest(SynchronousTestCase):
     EXPECTED = [
+        AuthCommand("s3cret"),
         ServerCommand("example.com"),
         NameCommand("event_persister1"),
         PingCommand("1490197665618"),
@@ -169,7 +172,7 @@ class DirectionTest(SynchronousTestCase):
         )
         self.assertEqual(
             {n for n, c in COMMANDS.items() if not may_send(c, Side.SERVER)},
-            {"NAME", "USER_SYNC", "CLEAR_USER_SYNC", "FEDERATION_ACK"},
+            {"AUTH", "NAME", "USER_SYNC", "CLEAR_USER_SYNC", "FEDERATION_ACK"},
         )
 
 

@@ -451,3 +451,42 @@ class BackoffTest(SynchronousTestCase):
         service.send_command(PingCommand("1"))
         self.assertEqual(service.dropped_commands, 1)
         service.stopService()
+
+
+class AuthTest(SynchronousTestCase):
+    def test_client_sends_auth_first(self):
+        """A client with a secret sends AUTH before NAME, PING and REPLICATE."""
+        proto, transport, _ = _client(_clock(), secret="s3cret")
+        self.assertEqual(sent_lines(transport), ["AUTH s3cret", "NAME persister1", "PING 1490197665618", "REPLICATE "])
+
+    def test_hub_requires_auth(self):
+        """A hub with a secret closes a connection whose first command is not AUTH."""
+        proto, transport, receiver = _server(_clock(), secret="s3cret")
+        transport.clear()
+        proto.dataReceived(b"NAME sneaky\nREPLICATE\n")
+        self.assertEqual(sent_lines(transport), ["ERROR authentication required: send AUTH <secret> first"])
+        self.assertTrue(transport.disconnecting)
+        self.assertEqual(receiver.received(), [])
+
+    def test_wrong_secret(self):
+        """A wrong secret is refused without echoing it."""
+        proto, transport, receiver = _server(_clock(), secret="s3cret")
+        transport.clear()
+        proto.dataReceived(b"AUTH guess\n")
+        lines = sent_lines(transport)
+        self.assertEqual(lines, ["ERROR authentication failed"])
+        self.assertNotIn("guess", " ".join(lines))
+        self.assertTrue(transport.disconnecting)
+
+    def test_right_secret(self):
+        """With the right secret the connection works normally and AUTH is not delivered."""
+        proto, transport, receiver = _server(_clock(), secret="s3cret")
+        proto.dataReceived(b"AUTH s3cret\nNAME persister1\nPING 1\n")
+        self.assertFalse(transport.disconnecting)
+        self.assertEqual(receiver.received(), [NameCommand("persister1"), PingCommand("1")])
+
+    def test_secret_not_in_repr(self):
+        """The secret never shows in a command's repr."""
+        from synflow.replication.commands import AuthCommand
+
+        self.assertNotIn("s3cret", repr(AuthCommand("s3cret")))

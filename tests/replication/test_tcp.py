@@ -149,3 +149,44 @@ def _sleep(seconds):
     d = Deferred()
     reactor.callLater(seconds, d.callback, None)
     return d
+
+
+class HubWithSecretTest(TestCase):
+    @inlineCallbacks
+    def setUp(self):
+        config = load_config([_write_config(self, "  secret: s3cret\n")])
+        self.master = build_service(config, reactor, exit_on_failure=False)
+        self.master.startService()
+        self.addCleanup(self.master.stopService)
+        yield self.master.ready
+        listener = self.master.replication.service.getServiceNamed("replication-hub")
+        yield listener.when_listening()
+        self.port = listener.bound_port
+
+    @inlineCallbacks
+    def test_unauthenticated_client_refused(self):
+        """Over real TCP, a client that does not send AUTH first is refused and closed."""
+        proto = LineCollector()
+        yield connectProtocol(TCP4ClientEndpoint(reactor, "127.0.0.1", self.port), proto)
+        proto.transport.write(b"NAME intruder\nREPLICATE\n")
+        yield proto.closed
+        self.assertIn("ERROR authentication required: send AUTH <secret> first", proto.lines)
+
+    @inlineCallbacks
+    def test_client_with_secret_works(self):
+        """A worker configured with the secret authenticates and completes its handshake."""
+        receiver = RecordingReceiver()
+        svc = ReplicationClientService(
+            TCP4ClientEndpoint(reactor, "127.0.0.1", self.port), server_name="tcp.test", instance_name="w1",
+            handler=receiver, clock=reactor, backoff=Backoff(initial_s=0.05, max_s=0.5), rng=random.Random(1),
+            secret="s3cret",
+        )
+        svc.startService()
+        self.addCleanup(svc.stopService)
+        for _ in range(100):
+            if svc.connected and svc.connection.core.handshake_complete:
+                break
+            yield _sleep(0.05)
+        self.assertTrue(svc.connection.core.handshake_complete)
+        yield _sleep(0.2)
+        self.assertTrue(svc.connected, "the hub closed an authenticated connection")

@@ -31,7 +31,7 @@ def load_transcripts() -> list[tuple[str, list[str]]]:
 def replay(testcase: SynchronousTestCase, name: str, lines: list[str]) -> None:
     side = Side.SERVER
     start = 1000.0
-    options: dict[str, float] = {}
+    options: dict[str, object] = {}
     body = []
     for line in lines:
         if line.startswith("* replay "):
@@ -41,7 +41,7 @@ def replay(testcase: SynchronousTestCase, name: str, lines: list[str]) -> None:
         elif line.startswith("* options "):
             for item in line.split()[2:]:
                 key, _, value = item.partition("=")
-                options[key] = int(value)
+                options[key] = int(value) if value.isdigit() else value
         else:
             body.append(line)
     clock = Clock()

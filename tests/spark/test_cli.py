@@ -46,6 +46,7 @@ class CommandLineTests(TestCase):
 
     def test_script_imports_itself(self):
         """`spark/validate_tokens.py` run as a plain script (as spark-submit does) finds its package."""
+        require_java()
         proc = subprocess.run([sys.executable, os.path.join(ROOT, "spark", "validate_tokens.py"), "--help"],
                               cwd="/", capture_output=True, text=True, timeout=120)
         self.assertEqual(proc.returncode, 0, proc.stderr)
