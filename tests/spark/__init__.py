@@ -1,1 +1,0 @@
-"""Tests of the PySpark token validator (spark/)."""
