@@ -1,0 +1,114 @@
+"""Writer-log checks: duplicates, bad intervals, per-writer id order, room sharding, stuck reservations.
+
+Each aggregates or windows the facts once; context for the explanation is gathered only for the
+violating keys (aggregate first, explain afterwards).
+"""
+
+from __future__ import annotations
+
+from pyspark.sql import DataFrame, Window
+from pyspark.sql import functions as F
+
+from spark.common import INF, Context, finish, lit, sentence, ts, txt, when
+
+
+def duplicate_stream_id(ctx: Context) -> DataFrame:
+    """Stream ids used by more than one fact of a stream."""
+    dups = ctx.facts.groupBy("stream", "sid").agg(F.count(F.lit(1)).alias("n")).where("n > 1")
+    df = (ctx.facts.join(dups, ["stream", "sid"], "left_semi").groupBy("stream", "sid")
+          .agg(F.count(F.lit(1)).alias("n"), F.min(F.struct("res", "writer", "ev")).alias("a"),
+               F.max(F.struct("res", "writer", "ev")).alias("b")))
+    return finish(df, "duplicate_stream_id", stream="stream", stream_id="sid", writer="a.writer",
+                  event_id="a.ev", reserved_at="a.res", explanation=sentence(
+                      txt("n"), " facts of stream ", txt("stream"), " use stream id ", txt("sid"),
+                      ", e.g. ", txt("a.ev"), " by ", txt("a.writer"), " (reserved ", ts("a.res"),
+                      ") and ", txt("b.ev"), " by ", txt("b.writer"), " (reserved ", ts("b.res"),
+                      "): the sequence handed out one id twice or a writer invented it."))
+
+
+def duplicate_event_id(ctx: Context) -> DataFrame:
+    """Event ids carried by more than one fact of a stream."""
+    f = ctx.facts.where(F.col("ev").isNotNull())
+    dups = f.groupBy("stream", "ev").agg(F.count(F.lit(1)).alias("n")).where("n > 1")
+    df = (f.join(dups, ["stream", "ev"], "left_semi").groupBy("stream", "ev")
+          .agg(F.count(F.lit(1)).alias("n"), F.min(F.struct("sid", "writer")).alias("a"),
+               F.max(F.struct("sid", "writer")).alias("b")))
+    return finish(df, "duplicate_event_id", stream="stream", event_id="ev", stream_id="a.sid",
+                  writer="a.writer", explanation=sentence(
+                      "event ", txt("ev"), " appears in ", txt("n"), " facts of stream ",
+                      txt("stream"), ", at stream ids ", txt("a.sid"), " (", txt("a.writer"),
+                      ") and ", txt("b.sid"), " (", txt("b.writer"),
+                      "): readers would be handed it twice."))
+
+
+def invalid_interval(ctx: Context) -> DataFrame:
+    """Facts completed before they were reserved."""
+    df = ctx.facts.where(F.col("rel") < F.col("res"))
+    return finish(df, "invalid_interval", stream="stream", writer="writer", stream_id="sid",
+                  event_id="ev", room_id="room", reserved_at="res", completed_at="rel",
+                  explanation=sentence(
+                      "fact ", txt("ev"), " (stream id ", txt("sid"), ", ", txt("writer"),
+                      ") completed at ", ts("rel"), ", before it was reserved at ", ts("res"),
+                      ": the writer's clock or log is wrong."))
+
+
+def writer_sid_regression(ctx: Context) -> DataFrame:
+    """Facts whose stream id is lower than that of the writer's previous reservation."""
+    w = Window.partitionBy("stream", "writer").orderBy("res", "sid")
+    df = (ctx.facts.withColumn("prev_sid", F.lag("sid").over(w))
+          .withColumn("prev_res", F.lag("res").over(w)).where(F.col("sid") < F.col("prev_sid")))
+    return finish(df, "writer_sid_regression", stream="stream", writer="writer", stream_id="sid",
+                  event_id="ev", room_id="room", reserved_at="res", completed_at="rel",
+                  explanation=sentence(
+                      txt("writer"), " reserved stream id ", txt("sid"), " at ", ts("res"),
+                      " after reserving ", txt("prev_sid"), " at ", ts("prev_res"),
+                      ": ids from one sequence must grow with time (clock skew, a reset sequence "
+                      "or a foreign writer)."))
+
+
+def sharding_violation(ctx: Context) -> DataFrame:
+    """Facts reserved while another writer still held an open reservation in the same room.
+
+    Only rooms with two or more writers are examined. For each such room and each of its writers
+    W, W's facts are sorted with the other writers' facts; a running maximum of the others'
+    release times tells whether any of them was still open when W reserved.
+    """
+    f = ctx.facts.where(F.col("room").isNotNull())
+    multi = f.groupBy("stream", "room").agg(F.countDistinct("writer").alias("k")).where("k > 1")
+    f = f.join(multi.select("stream", "room"), ["stream", "room"], "left_semi")
+    room_writers = f.select("stream", "room", F.col("writer").alias("me")).distinct()
+    rel_inf = F.coalesce("rel", F.lit(INF))
+    others = (f.join(room_writers, ["stream", "room"]).where(F.col("writer") != F.col("me"))
+              .select("stream", "room", "me", "res", "sid", F.lit(1).alias("_o"),
+                      F.struct(rel_inf.alias("rel"), "writer", "sid", "ev").alias("open"),
+                      F.lit(None).cast("string").alias("ev"), F.lit(None).cast("bigint").alias("rel")))
+    mine = f.select("stream", "room", F.col("writer").alias("me"), "res", "sid", F.lit(0).alias("_o"),
+                    F.lit(None).cast(others.schema["open"].dataType).alias("open"), "ev", "rel")
+    w = Window.partitionBy("stream", "room", "me").orderBy("res", "sid", "_o").rowsBetween(
+        Window.unboundedPreceding, Window.currentRow)
+    df = (mine.unionByName(others).withColumn("w", F.max("open").over(w))
+          .where((F.col("_o") == 0) & (F.col("w.rel") > F.col("res"))))
+    open_until = when(f"w.rel = {INF}", lit("is still open"), sentence("was open until ", ts("w.rel")))
+    return finish(df, "sharding_violation", stream="stream", room_id="room", writer="me",
+                  stream_id="sid", event_id="ev", reserved_at="res", completed_at="rel",
+                  explanation=sentence(
+                      txt("me"), " reserved stream id ", txt("sid"), " (", txt("ev"), ") in room ",
+                      txt("room"), " at ", ts("res"), " while ", txt("w.writer"),
+                      "'s reservation ", txt("w.sid"), " (", txt("w.ev"), ") in that room ",
+                      open_until, ": two writers wrote one room at once."))
+
+
+def unresolved_reservation(ctx: Context) -> DataFrame:
+    """Reservations still open long before the end of the log (they hold every token's minimum)."""
+    df = ctx.facts.where(F.col("rel").isNull() & (F.col("res") < F.lit(ctx.unresolved_before)))
+    return finish(df, "unresolved_reservation", stream="stream", writer="writer", stream_id="sid",
+                  event_id="ev", room_id="room", reserved_at="res", explanation=sentence(
+                      txt("writer"), " reserved stream id ", txt("sid"), " of ", txt("stream"),
+                      " at ", ts("res"), " and had not completed it by the end of the log, "
+                      "more than the allowance later: a stuck "
+                      "reservation holds back every reader's position."))
+
+
+CHECKS = {"duplicate_stream_id": duplicate_stream_id, "duplicate_event_id": duplicate_event_id,
+          "invalid_interval": invalid_interval, "writer_sid_regression": writer_sid_regression,
+          "sharding_violation": sharding_violation, "unresolved_reservation": unresolved_reservation}

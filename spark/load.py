@@ -1,0 +1,189 @@
+"""Normalising and validating the input tables into the frames the checks use.
+
+``facts``: ``stream, writer, sid, room, ev, res, rel, aborted`` (µs; ``rel`` null while in
+flight). ``tokens``: ``reader, stream, seq, token, issued, since, issued_by, rooms``.
+``deliveries``: ``reader, stream, seq, pos, event_id``. All three are materialised, so the
+input is parsed once however many checks read it. They are *locally checkpointed*: computed
+once into the executors' block stores with their lineage cut, which also keeps the query
+plans of the checks small (planning deep plans costs seconds per query).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pyspark.sql import DataFrame, SparkSession, Window
+from pyspark.sql import functions as F
+
+from spark.inputs import CORRUPT, InputError, Table, first_line, micros, read_table
+
+
+@dataclass
+class Inputs:
+    """The validated, normalised input.
+
+    Attributes:
+        facts: fact rows (see module docstring).
+        tokens: token rows without the delivered lists.
+        deliveries: one row per delivered event id.
+        instances: ``instance_id -> instance_name``.
+        has_seq: whether the token log carries ``seq`` (else it was derived from ``issued_at``).
+        end_of_log: the latest timestamp of the input, µs.
+        stats: input counts for the summary.
+    """
+
+    facts: DataFrame
+    tokens: DataFrame
+    deliveries: DataFrame
+    instances: dict[int, str]
+    has_seq: bool
+    end_of_log: int
+    stats: dict
+
+
+def _count(cond) -> F.Column:
+    return F.sum(F.when(cond, 1).otherwise(0))
+
+
+def _bad_time(raw: str, parsed: str) -> F.Column:
+    return F.col(raw).isNotNull() & F.col(parsed).isNull()
+
+
+def _problems(name: str, counts: dict, messages: dict[str, str]) -> list[str]:
+    return [f"{name}: {counts[k]} {msg}" for k, msg in messages.items() if counts.get(k)]
+
+
+def _corrupt_example(t: Table) -> str:
+    if CORRUPT not in t.df.columns:
+        return ""
+    # Spark refuses queries over raw JSON that read only the corrupt-record column.
+    probe = {"writer_logs": "writer", "token_logs": "reader"}.get(t.name, "instance_name")
+    row = t.df.where(F.col(CORRUPT).isNotNull()).select(CORRUPT, probe).limit(1).collect()
+    return f" (first: {row[0][0][:200]!r})" if row else ""
+
+
+def _instances(t: Table) -> dict[int, str]:
+    df = t.df
+    corrupt = F.col(CORRUPT) if CORRUPT in df.columns else F.lit(None).cast("string")
+    rows = df.select("instance_id", "instance_name", corrupt.alias("bad")).collect()
+    bad = [r.bad for r in rows if r.bad is not None]
+    if bad:
+        raise InputError(f"{t.path}: {len(bad)} unreadable record(s) (first: {bad[0][:200]!r})")
+    out: dict[int, str] = {}
+    names: dict[str, int] = {}
+    for iid, name, _ in rows:
+        if iid is None or name is None:
+            raise InputError(f"{t.path}: a row has a null instance_id or instance_name")
+        if out.get(iid, name) != name or names.get(name, iid) != iid:
+            raise InputError(f"{t.path}: instance {iid}/{name!r} conflicts with another row")
+        out[iid], names[name] = name, iid
+    return out
+
+
+def _facts(t: Table) -> tuple[DataFrame, dict]:
+    df = t.df
+    corrupt = F.col(CORRUPT).isNotNull() if CORRUPT in df.columns else F.lit(False)
+    norm = df.select(
+        "stream", "writer", F.col("stream_id").alias("sid"), F.col("room_id").alias("room"),
+        F.col("event_id").alias("ev"), micros(df, "reserved_at").alias("res"),
+        micros(df, "completed_at").alias("rel"), "outcome",
+        F.col("reserved_at").isNotNull().alias("res_raw"),
+        F.col("completed_at").isNotNull().alias("rel_raw"),
+        (F.col("kind").isNull() | (F.col("kind") == "fact")).alias("is_fact"),
+        corrupt.alias("corrupt"),
+    ).where("is_fact OR corrupt").localCheckpoint(eager=True)
+    s = norm.agg(
+        F.count(F.lit(1)).alias("rows"), _count(F.col("corrupt")).alias("corrupt"),
+        _count(F.col("stream").isNull() & ~F.col("corrupt")).alias("null_stream"),
+        _count(F.col("writer").isNull() & ~F.col("corrupt")).alias("null_writer"),
+        _count(F.col("sid").isNull() & ~F.col("corrupt")).alias("null_sid"),
+        _count(~F.col("res_raw") & ~F.col("corrupt")).alias("null_res"),
+        _count(_bad_time("res_raw", "res") & F.col("res_raw")).alias("bad_res"),
+        _count(F.col("rel_raw") & F.col("rel").isNull()).alias("bad_rel"),
+        _count(~F.col("outcome").isin("ok", "aborted")).alias("bad_outcome"),
+        _count(F.col("rel").isNull() & ~F.col("corrupt")).alias("in_flight"),
+        F.countDistinct("stream").alias("streams"), F.countDistinct("writer").alias("writers"),
+        F.max("res").alias("max_res"), F.max("rel").alias("max_rel"),
+    ).first().asDict()
+    problems = _problems(t.path, s, {
+        "corrupt": f"unreadable record(s){_corrupt_example(t) if s['corrupt'] else ''}",
+        "null_stream": "fact(s) without stream", "null_writer": "fact(s) without writer",
+        "null_sid": "fact(s) without stream_id", "null_res": "fact(s) without reserved_at",
+        "bad_res": "unparseable reserved_at value(s)", "bad_rel": "unparseable completed_at value(s)",
+        "bad_outcome": "fact(s) with an outcome other than ok/aborted/null"})
+    if not problems and not s["rows"]:
+        problems.append(f"{t.path}: no fact rows")
+    if problems:
+        raise InputError("; ".join(problems))
+    facts = norm.select("stream", "writer", "sid", "room", "ev", "res", "rel",
+                        F.coalesce(F.col("outcome") == "aborted", F.lit(False)).alias("aborted"))
+    return facts, s
+
+
+def _tokens(t: Table) -> tuple[DataFrame, DataFrame, dict, bool]:
+    df = t.df
+    has_seq = "seq" in t.columns
+    corrupt = F.col(CORRUPT).isNotNull() if CORRUPT in df.columns else F.lit(False)
+    base = df.select("reader", "stream", "seq", "token", micros(df, "issued_at").alias("issued"),
+                     F.col("issued_at").isNotNull().alias("issued_raw"), "delivered", "since",
+                     "issued_by", "rooms", corrupt.alias("corrupt"))
+    if not has_seq:
+        w = Window.partitionBy("reader", "stream").orderBy("issued", "token")
+        base = base.withColumn("seq", F.row_number().over(w).cast("bigint"))
+    tokens = base.withColumn("n_delivered", F.size(F.coalesce("delivered", F.array()))).drop(
+        "delivered").localCheckpoint(eager=True)
+    s = tokens.agg(
+        F.count(F.lit(1)).alias("rows"), _count(F.col("corrupt")).alias("corrupt"),
+        _count(F.col("reader").isNull() & ~F.col("corrupt")).alias("null_reader"),
+        _count(F.col("stream").isNull() & ~F.col("corrupt")).alias("null_stream"),
+        _count(~F.col("issued_raw") & ~F.col("corrupt")).alias("null_issued"),
+        _count(F.col("issued_raw") & F.col("issued").isNull()).alias("bad_issued"),
+        _count(F.col("seq").isNull() & ~F.col("corrupt")).alias("null_seq"),
+        _count(F.col("rooms").isNotNull()).alias("with_rooms"),
+        _count(F.col("since").isNotNull()).alias("with_since"),
+        F.countDistinct("reader").alias("readers"), F.max("issued").alias("max_issued"),
+        F.sum("n_delivered").alias("deliveries"),
+    ).first().asDict()
+    problems = _problems(t.path, s, {
+        "corrupt": f"unreadable record(s){_corrupt_example(t) if s['corrupt'] else ''}",
+        "null_reader": "row(s) without reader", "null_stream": "row(s) without stream",
+        "null_issued": "row(s) without issued_at", "bad_issued": "unparseable issued_at value(s)",
+        "null_seq": "row(s) with a null seq (seq must be set on every row when present)"})
+    if not problems and not s["rows"]:
+        problems.append(f"{t.path}: the token log is empty: nothing to validate")
+    if problems:
+        raise InputError("; ".join(problems))
+    deliveries = (base.select("reader", "stream", "seq",
+                              F.posexplode_outer("delivered").alias("pos", "event_id"))
+                  .where(F.col("event_id").isNotNull())
+                  .localCheckpoint(eager=True))
+    return tokens.drop("issued_raw", "corrupt", "n_delivered"), deliveries, s, has_seq
+
+
+def load(spark: SparkSession, logs: str) -> Inputs:
+    """Read, validate and normalise ``logs/{writer_logs,token_logs,instance_map}``.
+
+    Raises:
+        InputError: for any problem with the input.
+    """
+    tables = {n: read_table(spark, logs, n) for n in ("instance_map", "writer_logs", "token_logs")}
+    try:
+        instances = _instances(tables["instance_map"])
+        facts, fstats = _facts(tables["writer_logs"])
+        tokens, deliveries, tstats, has_seq = _tokens(tables["token_logs"])
+    except InputError:
+        raise
+    except Exception as e:  # unreadable files surface as Spark errors during the first pass
+        raise InputError(f"cannot read the input under {logs}: {first_line(e)}") from e
+    end = max(v for v in (fstats["max_res"], fstats["max_rel"], tstats["max_issued"]) if v is not None)
+    stats = {
+        "writer_logs": {"format": tables["writer_logs"].fmt, "files": tables["writer_logs"].files,
+                        "fact_rows": fstats["rows"], "streams": fstats["streams"],
+                        "writers": fstats["writers"], "in_flight": fstats["in_flight"]},
+        "token_logs": {"format": tables["token_logs"].fmt, "files": tables["token_logs"].files,
+                       "rows": tstats["rows"], "readers": tstats["readers"],
+                       "deliveries": tstats["deliveries"], "seq": "given" if has_seq else "derived",
+                       "rows_with_rooms": tstats["with_rooms"], "rows_with_since": tstats["with_since"]},
+        "instance_map": {"format": tables["instance_map"].fmt, "rows": len(instances)},
+    }
+    return Inputs(facts, tokens, deliveries, instances, has_seq, end, stats)

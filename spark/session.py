@@ -1,0 +1,58 @@
+"""Getting the SparkSession: local[*] by default, whatever spark-submit configured otherwise."""
+
+from __future__ import annotations
+
+import os
+
+from pyspark.sql import SparkSession
+
+DEFAULT_LOCAL_SHUFFLE_PARTITIONS = 64
+
+
+def launched_by_spark_submit() -> bool:
+    """True when this Python process was started by spark-submit (the JVM already runs)."""
+    return "PYSPARK_GATEWAY_PORT" in os.environ
+
+
+def get_session(
+    master: str | None = None,
+    shuffle_partitions: int | None = None,
+    driver_memory: str | None = None,
+    app_name: str = "synflow-validate-tokens",
+) -> SparkSession:
+    """Return the active SparkSession, or start one.
+
+    An already active session (the tests' shared one, or spark-submit's) is reused; only runtime
+    SQL settings are applied to it. A new session uses ``master`` if given; otherwise the master
+    that spark-submit or ``SPARK_MASTER`` set; otherwise ``local[*]``.
+
+    Args:
+        master: the Spark master URL, overriding everything else.
+        shuffle_partitions: ``spark.sql.shuffle.partitions`` (default 64 locally; AQE coalesces).
+        driver_memory: ``spark.driver.memory`` for a driver JVM this process launches.
+        app_name: the application name.
+
+    Returns:
+        The session, with the session time zone set to UTC.
+    """
+    spark = SparkSession.getActiveSession()
+    if spark is None:
+        builder = SparkSession.builder.appName(app_name)
+        submitted = launched_by_spark_submit()
+        chosen = master or (None if submitted else os.environ.get("SPARK_MASTER") or "local[*]")
+        if chosen:
+            builder = builder.master(chosen)
+        if chosen and chosen.startswith("local"):
+            os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+            builder = builder.config("spark.ui.enabled", "false")
+            builder = builder.config("spark.ui.showConsoleProgress", "false")
+            if shuffle_partitions is None:
+                shuffle_partitions = DEFAULT_LOCAL_SHUFFLE_PARTITIONS
+        if driver_memory and not submitted:
+            builder = builder.config("spark.driver.memory", driver_memory)
+        spark = builder.getOrCreate()
+        spark.sparkContext.setLogLevel("WARN")
+    spark.conf.set("spark.sql.session.timeZone", "UTC")
+    if shuffle_partitions:
+        spark.conf.set("spark.sql.shuffle.partitions", str(shuffle_partitions))
+    return spark

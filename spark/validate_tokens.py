@@ -1,0 +1,208 @@
+"""The token validator job: ``python -m spark.validate_tokens --logs DIR --out DIR``.
+
+Also runs as a plain script, so ``spark-submit spark/validate_tokens.py --logs s3a://… --out …``
+works unchanged (ship the ``spark`` package with ``--py-files`` in cluster deploy mode). Exit
+codes: 0 clean, 1 violations at or above ``--fail-on``, 2 bad input, 3 internal failure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if not __package__:  # run as a script (spark-submit): make the `spark` package importable
+    _here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+    sys.path.insert(0, os.path.dirname(_here))
+
+import argparse
+import time
+import traceback
+from datetime import UTC, datetime
+from functools import reduce
+from typing import Any
+
+from pyspark import StorageLevel
+from pyspark.sql import DataFrame, SparkSession, Window
+from pyspark.sql import functions as F
+
+from spark import checks_delivery, checks_syntax, checks_tokens, checks_writer
+from spark.checks import (
+    BY_NAME,
+    CHECK_NAMES,
+    DEFAULT_BUCKET_S,
+    DEFAULT_FIRST_ID,
+    DEFAULT_UNRESOLVED_AFTER_S,
+)
+from spark.common import Context
+from spark.inputs import InputError
+from spark.load import load
+from spark.report import exit_code, remove, write_outputs, write_violations
+from spark.session import get_session
+
+
+class _Progress:
+    def __init__(self, enabled: bool) -> None:
+        self.start = time.monotonic()
+        self.enabled = enabled
+
+    def __call__(self, msg: str) -> None:
+        if self.enabled:
+            print(f"[validate_tokens {time.monotonic() - self.start:7.1f}s] {msg}", file=sys.stderr,
+                  flush=True)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line (see ``--help``)."""
+    p = argparse.ArgumentParser(prog="python -m spark.validate_tokens", description=(
+        "Prove from the audit logs that no vector-clock token let a reader skip, repeat or "
+        "invent a fact."))
+    p.add_argument("--logs", required=True, help="directory (or URL) with writer_logs/, token_logs/, instance_map/")
+    p.add_argument("--out", required=True, help="output directory (or URL)")
+    p.add_argument("--fail-on", choices=("error", "warning", "never"), default="error",
+                   help="lowest severity that makes the exit code 1 (default: error)")
+    p.add_argument("--output-format", choices=("jsonl", "parquet"), default="jsonl",
+                   help="format of violations/ (default: jsonl)")
+    p.add_argument("--checks", default="all", help="comma-separated checks to run (default: all)")
+    p.add_argument("--clock-skew-ms", type=float, default=0.0,
+                   help="allowance when comparing completion and issue times across hosts")
+    p.add_argument("--first-id", type=int, default=DEFAULT_FIRST_ID,
+                   help="the first id of the sequences; lower ids are never in the future (default 2)")
+    p.add_argument("--unresolved-after-s", type=float, default=DEFAULT_UNRESOLVED_AFTER_S,
+                   help="age at the end of the log of an open reservation that is reported (default 60)")
+    p.add_argument("--bucket-s", type=float, default=DEFAULT_BUCKET_S,
+                   help="time bucket of the as-of computations (tuning only; default 1)")
+    p.add_argument("--top", type=int, default=20, help="examples per check in report.md")
+    p.add_argument("--master", help="Spark master (default: spark-submit's, SPARK_MASTER, else local[*])")
+    p.add_argument("--shuffle-partitions", type=int, help="spark.sql.shuffle.partitions")
+    p.add_argument("--driver-memory", default="6g", help="driver memory when this process starts Spark")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    a = p.parse_args(argv)
+    names = CHECK_NAMES if a.checks == "all" else tuple(c.strip() for c in a.checks.split(",") if c.strip())
+    unknown = [c for c in names if c not in BY_NAME]
+    if unknown:
+        p.error(f"unknown check(s) {', '.join(unknown)}; choose from {', '.join(CHECK_NAMES)}")
+    a.check_names = [c for c in CHECK_NAMES if c in names]
+    return a
+
+
+def _stage(name: str, dfs: dict[str, DataFrame], args: argparse.Namespace, summary: dict,
+           examples: dict, progress: _Progress) -> None:
+    """Compute one stage's checks in one Spark job, then summarise and write them.
+
+    The checks' violations are unioned, deduplicated per key and cached; one query then
+    returns the count and the first ``--top`` rows of each check, and one write appends the
+    rows to ``violations/``.
+    """
+    t = time.monotonic()
+    progress(f"stage {name}: {', '.join(dfs)}")
+    v = (reduce(DataFrame.unionByName, dfs.values()).dropDuplicates(["check", "_key"]).drop("_key")
+         .persist(StorageLevel.MEMORY_AND_DISK))
+    order = [c for c in ("stream", "reader", "seq", "writer", "stream_id", "event_id", "room_id")]
+    ranked = (v.withColumn("_n", F.count(F.lit(1)).over(Window.partitionBy("check")))
+              .withColumn("_r", F.row_number().over(Window.partitionBy("check").orderBy(*order)))
+              .where(F.col("_r") <= args.top).drop("_r").collect())
+    counts = {check: 0 for check in dfs}
+    for row in ranked:
+        d = row.asDict()
+        counts[d["check"]] = d.pop("_n")
+        examples.setdefault(d["check"], []).append(d)
+    if any(counts.values()):
+        write_violations(v, f"{args.out.rstrip('/')}/violations", args.output_format)
+    v.unpersist()
+    secs = round(time.monotonic() - t, 3)
+    summary["timings"][name] = secs
+    for check, n in counts.items():
+        summary["checks"][check] = {"severity": BY_NAME[check].severity.value, "count": n,
+                                    "stage_seconds": secs}
+        progress(f"check {check}: {n} violation(s)")
+    progress(f"stage {name} done in {secs:.1f}s")
+
+
+def run_checks(spark: SparkSession, args: argparse.Namespace, summary: dict, examples: dict,
+               progress: _Progress) -> None:
+    """Load the input and run the selected checks, filling ``summary`` and ``examples``."""
+    t = time.monotonic()
+    progress(f"stage load: reading {args.logs}")
+    inputs = load(spark, args.logs)
+    summary["inputs"], summary["end_of_log_us"] = inputs.stats, inputs.end_of_log
+    progress(f"stage load: {inputs.stats['writer_logs']['fact_rows']} facts, "
+             f"{inputs.stats['token_logs']['rows']} tokens, "
+             f"{inputs.stats['token_logs']['deliveries']} deliveries")
+    tokens = checks_syntax.parse_tokens(inputs.tokens, inputs.instances).localCheckpoint(eager=True)
+    valid = tokens.where("valid")
+    comps = checks_syntax.components(valid, inputs.facts, inputs.instances).localCheckpoint(eager=True)
+    summary["timings"]["load"] = round(time.monotonic() - t, 3)
+    ctx = Context(spark, inputs.facts, tokens, valid, inputs.deliveries, comps, inputs.instances,
+                  args.first_id, int(args.clock_skew_ms * 1000),
+                  inputs.end_of_log - int(args.unresolved_after_s * 1_000_000),
+                  max(1, int(args.bucket_s * 1_000_000)))
+    wanted = set(args.check_names)
+    for stage, table in (("syntax", checks_syntax.CHECKS), ("writer", checks_writer.CHECKS),
+                         ("tokens", checks_tokens.CHECKS)):
+        dfs = {n: fn(ctx) for n, fn in table.items() if n in wanted}
+        if dfs:
+            _stage(stage, dfs, args, summary, examples, progress)
+    if wanted & set(checks_delivery.CHECKS):
+        m = checks_delivery.matched(ctx).localCheckpoint(eager=True)
+        dfs = {n: fn(ctx, m) for n, fn in checks_delivery.CHECKS.items() if n in wanted}
+        _stage("delivery", dfs, args, summary, examples, progress)
+    if "undelivered" in wanted:
+        df, pending = checks_delivery.undelivered(ctx)
+        summary["pending"]["above_reader_watermark"] = pending.first()[0]
+        _stage("undelivered", {"undelivered": df}, args, summary, examples, progress)
+    summary["pending"]["in_flight_facts"] = inputs.stats["writer_logs"]["in_flight"]
+
+
+def run(spark: SparkSession, args: argparse.Namespace) -> int:
+    """Run the job with parsed arguments on ``spark`` and write the output; return the exit code."""
+    progress = _Progress(not args.quiet)
+    t0 = time.monotonic()
+    summary: dict[str, Any] = {
+        "logs": args.logs, "out": args.out, "fail_on": args.fail_on, "checks": {}, "pending": {},
+        "timings": {}, "started_at": datetime.now(UTC).isoformat(),
+        "spark": {"version": spark.version, "master": spark.sparkContext.master,
+                  "shuffle_partitions": spark.conf.get("spark.sql.shuffle.partitions")},
+        "parameters": {"clock_skew_ms": args.clock_skew_ms, "first_id": args.first_id,
+                       "unresolved_after_s": args.unresolved_after_s, "bucket_s": args.bucket_s,
+                       "checks": args.check_names},
+    }
+    examples: dict[str, list[dict[str, Any]]] = {}
+    try:
+        remove(spark, f"{args.out.rstrip('/')}/violations")
+        run_checks(spark, args, summary, examples, progress)
+        code = exit_code({c: r["count"] for c, r in summary["checks"].items()}, args.fail_on)
+    except InputError as e:
+        code, summary["error"] = 2, f"bad input: {e}"
+        print(f"validate_tokens: bad input: {e}", file=sys.stderr)
+    except Exception as e:  # the contract: any other failure is exit code 3
+        code, summary["error"] = 3, f"internal failure: {type(e).__name__}: {e}"
+        traceback.print_exc()
+    summary["exit_code"] = code
+    summary["timings"]["total"] = round(time.monotonic() - t0, 3)
+    counts = {c: r["count"] for c, r in summary["checks"].items()}
+    summary["violations"] = {"total": sum(counts.values()), "by_severity": {
+        s: sum(n for c, n in counts.items() if BY_NAME[c].severity.value == s) for s in ("error", "warning")}}
+    try:
+        write_outputs(spark, args.out.rstrip("/"), summary, examples)
+    except Exception as e:  # the output location itself is broken
+        print(f"validate_tokens: cannot write {args.out}: {e}", file=sys.stderr)
+        code = code or 3
+    progress(f"done: exit {code}, {summary['violations']['total']} violation(s), "
+             f"{summary['timings']['total']:.1f}s")
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: parse arguments, get a session, run. Returns the exit code."""
+    args = parse_args(argv)
+    try:
+        spark = get_session(args.master, args.shuffle_partitions, args.driver_memory)
+    except Exception as e:
+        print(f"validate_tokens: cannot start Spark: {e}", file=sys.stderr)
+        return 3
+    return run(spark, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

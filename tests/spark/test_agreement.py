@@ -1,0 +1,121 @@
+"""The Spark job agrees with the brute-force reference checker on hypothesis-generated histories.
+
+Histories are small and deliberately chaotic (colliding ids, ties in time, junk tokens,
+duplicate and phantom deliveries, rooms, broken chains), drawn by hypothesis without Spark and
+then validated together in one Spark run, each under its own stream name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from twisted.trial.unittest import TestCase
+
+from spark import reference
+from spark.checks import violation_key
+from spark.generate import iso
+from spark.tokens import encode
+from tests.spark._session import spark, summary, validate, violations
+
+T = 1_700_000_000_000_000
+UNIT = 5_000_000  # 5 s: histories span up to ~3 minutes, so some reservations are unresolved
+WRITERS = ["w1", "w2", "w3", "wx"]  # wx is not in instance_map
+INSTANCES = [{"instance_id": i, "instance_name": f"w{i}"} for i in (1, 2, 3)]
+EVENTS = [f"$e{i}" for i in range(1, 8)]
+JUNK = ["", "x", "m", "t1-2", "m5~1", "m3~1.4~1.5", "m2~7.3", "s99999999999999999999", "12"]
+
+
+@st.composite
+def facts(draw):
+    """One writer_logs fact row (times in UNIT steps)."""
+    res = draw(st.integers(0, 30))
+    rel = draw(st.one_of(st.none(), st.integers(res - 2, res + 8)))
+    return {"writer": draw(st.sampled_from(WRITERS)), "stream_id": draw(st.integers(1, 9)),
+            "room_id": draw(st.sampled_from([None, "!r1", "!r2"])),
+            "event_id": draw(st.sampled_from([None, *EVENTS])), "reserved_at": T + res * UNIT,
+            "completed_at": None if rel is None else T + rel * UNIT,
+            "outcome": draw(st.sampled_from([None, "ok", "ok", "aborted"]))}
+
+
+@st.composite
+def token_text(draw):
+    """A token: mostly well-formed (possibly non-canonical), sometimes junk."""
+    kind = draw(st.sampled_from(["s", "m", "m", "enc", "junk"]))
+    lo = draw(st.integers(0, 9))
+    if kind == "s":
+        return f"s{lo}"
+    if kind == "junk":
+        return draw(st.sampled_from(JUNK))
+    comps = draw(st.dictionaries(st.integers(1, 3), st.integers(0, 11), max_size=3))
+    if kind == "enc" and comps:
+        return encode(comps)
+    return f"m{lo}" + "".join(f"~{i}.{p}" for i, p in comps.items()) + draw(st.sampled_from(["", "~"]))
+
+
+@st.composite
+def chain(draw):
+    """One reader's token rows (seq 1..n, issue times not necessarily increasing)."""
+    rows, prev = [], None
+    for seq in range(1, draw(st.integers(1, 5)) + 1):
+        text = draw(token_text())
+        at = draw(st.integers(0, 36))
+        rows.append({"seq": seq, "token": text, "issued_at": iso(T + at * UNIT) if at % 2 else T + at * UNIT,
+                     "delivered": draw(st.lists(st.sampled_from(["$zz", *EVENTS]), max_size=3)),
+                     "rooms": draw(st.one_of(st.none(), st.lists(st.sampled_from(["!r1", "!r2"]), max_size=2))),
+                     "since": draw(st.sampled_from([prev, prev, None, "s0"]))})
+        prev = text
+    return rows
+
+
+@st.composite
+def history(draw):
+    """Facts and readers' tokens of one stream."""
+    return draw(st.lists(facts(), max_size=8)), draw(st.lists(chain(), min_size=1, max_size=2))
+
+
+def draw_histories(n: int) -> list:
+    """Draw ``n`` histories with hypothesis (no Spark involved)."""
+    drawn: list = []
+
+    @settings(max_examples=n, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(history())
+    def collect(h):
+        drawn.append(h)
+
+    collect()
+    return drawn[:n]
+
+
+def to_rows(histories):
+    """Namespace each history under its own stream (and a writer-only companion stream)."""
+    writers, tokens = [], []
+    for i, (fs, chains) in enumerate(histories):
+        for j, f in enumerate(fs):
+            writers.append(dict(f, stream=f"h{i}c" if j % 5 == 4 else f"h{i}"))
+        for r, rows in enumerate(chains):
+            tokens += [dict(row, reader=f"reader{r}", stream=f"h{i}") for row in rows]
+    return writers, tokens
+
+
+class AgreementTests(TestCase):
+    """Spark and the reference checker report the same violations and pending counts."""
+
+    def test_spark_matches_reference(self):
+        """On 15 hypothesis-drawn histories validated in one Spark job, every violation key agrees."""
+        spark()
+        writers, tokens = to_rows(draw_histories(15))
+        logs, out = self.mktemp(), self.mktemp()
+        for name, rows in (("writer_logs", writers), ("token_logs", tokens), ("instance_map", INSTANCES)):
+            os.makedirs(os.path.join(logs, name))
+            with open(os.path.join(logs, name, "part-0.jsonl"), "w", encoding="utf-8") as fh:
+                fh.writelines(json.dumps(r) + "\n" for r in rows)
+        code = validate(logs, out, "--bucket-s", "7", "--fail-on", "never")
+        self.assertEqual(code, 0, summary(out).get("error"))
+        expected = reference.check(writers, tokens, INSTANCES)
+        got = {violation_key(r["check"], r) for r in violations(out)}
+        self.assertEqual(sorted(got - expected.keys()), [], "reported by Spark only")
+        self.assertEqual(sorted(expected.keys() - got), [], "reported by the reference only")
+        self.assertEqual(summary(out)["pending"], expected.pending)

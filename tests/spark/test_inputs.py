@@ -1,0 +1,91 @@
+"""Bad input gives exit code 2 with a clear message; ``--fail-on`` picks what fails the run."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from twisted.trial.unittest import TestCase
+
+from tests.spark._session import spark, summary, validate
+
+T = 1_700_000_000_000_000
+WRITERS = [
+    {"stream": "events", "writer": "w1", "stream_id": 2, "room_id": "!a", "event_id": "$e2",
+     "reserved_at": T, "completed_at": T + 5, "outcome": "ok"},
+    {"stream": "events", "writer": "w1", "position": 2, "announced_at": T + 6, "kind": "position"},
+]
+TOKENS = [
+    {"reader": "r", "stream": "events", "seq": 1, "token": "s2", "issued_at": "2023-11-14T22:13:20.5Z",
+     "delivered": ["$e2"]},
+    {"reader": "r", "stream": "events", "seq": 2, "token": "m2~1.1", "issued_at": T + 900_000,
+     "delivered": []},
+]
+INSTANCES = [{"instance_id": 1, "instance_name": "w1"}]
+
+
+def write(directory: str, name: str, rows: list[dict], filename: str = "part-0.jsonl") -> None:
+    """Write ``rows`` as JSON Lines to ``directory/name/filename``."""
+    os.makedirs(os.path.join(directory, name), exist_ok=True)
+    with open(os.path.join(directory, name, filename), "w", encoding="utf-8") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+class InputTests(TestCase):
+    """The job rejects unusable input with exit code 2 and says what is wrong."""
+
+    def setUp(self):
+        spark()
+        self.logs = self.mktemp()
+        self.out = self.mktemp()
+        write(self.logs, "writer_logs", WRITERS)
+        write(self.logs, "token_logs", TOKENS)
+        write(self.logs, "instance_map", INSTANCES)
+
+    def _error(self) -> str:
+        self.assertEqual(validate(self.logs, self.out, "--checks", "malformed_token"), 2)
+        return summary(self.out)["error"]
+
+    def test_missing_column(self):
+        """A writer log without `completed_at` is bad input naming the column."""
+        write(self.logs, "writer_logs", [{k: v for k, v in WRITERS[0].items() if k != "completed_at"}])
+        self.assertIn("missing column(s) completed_at", self._error())
+
+    def test_unreadable_parquet_file(self):
+        """A file that is not Parquet under a .parquet name is bad input, not a crash."""
+        os.remove(os.path.join(self.logs, "writer_logs", "part-0.jsonl"))
+        with open(os.path.join(self.logs, "writer_logs", "part-0.parquet"), "wb") as fh:
+            fh.write(b"this is not parquet at all" * 10)
+        self.assertIn("cannot read", self._error())
+
+    def test_unparseable_jsonl_line(self):
+        """A line that is not JSON is bad input quoting the line."""
+        with open(os.path.join(self.logs, "token_logs", "part-0.jsonl"), "a", encoding="utf-8") as fh:
+            fh.write("{not json\n")
+        self.assertIn("unreadable record(s) (first: '{not json'", self._error())
+
+    def test_bad_timestamp(self):
+        """A timestamp that is neither integer µs nor ISO-8601 is bad input."""
+        write(self.logs, "writer_logs", [dict(WRITERS[0], reserved_at="yesterday")])
+        self.assertIn("unparseable reserved_at", self._error())
+
+    def test_empty_token_log(self):
+        """An empty token log is inconclusive: bad input."""
+        write(self.logs, "token_logs", [])
+        self.assertIn("token_logs: no records (the table is empty)", self._error())
+
+    def test_missing_table(self):
+        """A missing instance_map directory is bad input."""
+        os.remove(os.path.join(self.logs, "instance_map", "part-0.jsonl"))
+        os.rmdir(os.path.join(self.logs, "instance_map"))
+        self.assertIn("instance_map does not exist", self._error())
+
+    def test_fail_on_warning(self):
+        """A warning (a non-canonical token) passes by default and fails with --fail-on warning."""
+        checks = ("--checks", "malformed_token,noncanonical_component,broken_chain")
+        self.assertEqual(validate(self.logs, self.out, *checks), 0)
+        s = summary(self.out)
+        self.assertEqual(s["checks"]["noncanonical_component"]["count"], 1)
+        self.assertEqual(s["violations"]["by_severity"], {"error": 0, "warning": 1})
+        self.assertEqual(validate(self.logs, self.out, *checks, "--fail-on", "warning"), 1)
+        self.assertEqual(validate(self.logs, self.out, *checks, "--fail-on", "never"), 0)
