@@ -172,6 +172,34 @@ class AuditLog:
         self.tokens_logged += 1
         self._schedule()
 
+    def flush_facts(self) -> None:
+        """Write buffered writer records now (after each completed batch)."""
+        if self.enabled:
+            self._writer.flush()
+
+    def last_audited(self, stream: str) -> int:
+        """The highest stream ID of ``stream`` this writer's log records (0 if none).
+
+        Reads the two newest part files: IDs only grow, so older files hold
+        lower ones.
+        """
+        directory = self._writer.directory
+        if not os.path.isdir(directory):
+            return 0
+        parts = sorted((os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(".jsonl")),
+                       key=os.path.getmtime)[-2:]
+        top = 0
+        for path in parts:
+            with open(path, encoding="utf-8") as f:
+                for line in f:
+                    try:
+                        record = json.loads(line)
+                    except ValueError:
+                        continue  # a line cut short by a crash
+                    if record.get("kind") is None and record.get("stream") == stream:
+                        top = max(top, int(record.get("stream_id", 0)))
+        return top
+
     def instances(self, mapping: Mapping[int, str]) -> None:
         """Record instance IDs this process knows (rewritten when it grows)."""
         if not self.enabled:

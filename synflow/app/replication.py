@@ -31,6 +31,7 @@ from synflow.storage.id_generators import (
     StreamWriters,
     load_stream_state_txn,
     persist_position_txn,
+    recover_audit,
 )
 from synflow.streams import STREAMS, StreamDef, Writers
 from synflow.streams.sources import DatabaseSource
@@ -95,6 +96,8 @@ async def setup_replication(
             for instance in (*config.instance_map, "master"):
                 view.setdefault(instance, 1)
         if writes_stream(config, stream):
+            if name == "events" and audit is not None:
+                await recover_audit(db, audit, me)
             start = max(state.last_allocated, view.get(me, 1), state.own_max_row or 1)
             gen = MultiWriterIdGenerator(stream, me, start, reactor, audit)
             gen.persisted_position = state.positions.get(me, 0)

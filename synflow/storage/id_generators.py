@@ -144,6 +144,37 @@ def load_stream_state_txn(txn: Txn, stream: StreamDef, instance_name: str, repai
     return StreamState(last, positions, own_max, tuple(problems))
 
 
+def unaudited_events_txn(txn: Txn, instance_name: str, after: int) -> list[tuple[int, str, str, int]]:
+    """This writer's events above ``after``: (stream_ordering, room_id, event_id, received_ts ms)."""
+    txn.execute(
+        "SELECT stream_ordering, room_id, event_id, received_ts FROM events "
+        "WHERE instance_name = ? AND stream_ordering > ? ORDER BY stream_ordering",
+        (instance_name, after),
+    )
+    return [(int(r[0]), r[1], r[2], int(r[3])) for r in txn.fetchall()]
+
+
+async def recover_audit(db: Any, audit: AuditLog, instance_name: str) -> int:
+    """Re-record events committed by a previous run of this writer but missing from its audit log.
+
+    A crash between a commit and the audit write loses those records; the
+    events themselves are in the database. They are recorded with the time
+    they were persisted (slightly before their commit). Returns how many.
+    """
+    if not audit.enabled:
+        return 0
+    after = audit.last_audited("events")
+    rows = await db.run_interaction("unaudited_events", unaudited_events_txn, instance_name, after,
+                                    read_only=True, idempotent=True)
+    for stream_id, room_id, event_id, ts_ms in rows:
+        audit.fact("events", stream_id, room_id=room_id, event_id=event_id, reserved_at=ts_ms * 1000,
+                   completed_at=ts_ms * 1000, ok=True)
+    if rows:
+        audit.flush_facts()
+        logger.warning("re-recorded %d committed events missing from the audit log (after a crash)", len(rows))
+    return len(rows)
+
+
 def persist_position_txn(txn: Txn, stream: str, instance_name: str, position: int) -> None:
     """Upsert a writer's position, only ever moving it forward."""
     greatest = txn.engine.greatest("stream_positions.stream_id", "excluded.stream_id")
@@ -244,6 +275,8 @@ class MultiWriterIdGenerator:
                     reserved_at=payload.reserved_at, completed_at=completed_at, ok=ok,
                 )
             visible += self.tracker.complete(stream_id, ok, payload if ok else None)
+        if self.audit is not None and ids:
+            self.audit.flush_facts()  # one write per batch keeps the crash window small
         if ok:
             self.facts_completed += len(ids)
         else:
