@@ -15,7 +15,10 @@ Every process appends, under ``audit.dir``:
 
 Timestamps are integer microseconds since the epoch. Records are buffered
 and flushed to disk every ``flush_interval_s`` (and on close); a file is
-rotated when it passes ``max_bytes``. Writing is cheap, so the log is on by
+rotated when it passes ``max_bytes``. Token records are written through
+before the sync response leaves, and a writer's fact records after every
+completed batch, before anything announces them, so a killed process loses
+none that a client could have seen. Writing is cheap, so the log is on by
 default (``audit.enabled``); ``scripts/bench`` measures its cost.
 """
 
@@ -170,7 +173,9 @@ class AuditLog:
             record["rooms"] = sorted(rooms)
         self._tokens.add(record)
         self.tokens_logged += 1
-        self._schedule()
+        # Written through before the response leaves: a token a client may
+        # hold is on disk even if the process is killed right after.
+        self._tokens.flush()
 
     def flush_facts(self) -> None:
         """Write buffered writer records now (after each completed batch)."""
