@@ -30,9 +30,11 @@ from synflow.caching import (
     open_tier,
     tier_prefix,
 )
+from synflow.errors import HttpApiError
 from synflow.events.persist import EventPersister, PersistResult
 from synflow.events.router import EventRouter, serve_persist
 from synflow.events.sync import SyncHandler
+from synflow.federation.edus import EduFollower, EduQueue
 from synflow.federation.sender import FederationSender
 from synflow.federation.storage import SqlDestinationStore
 from synflow.federation.transport import TreqFederationTransport
@@ -40,7 +42,7 @@ from synflow.federation.worker import EventsFollower, inbound_handler
 from synflow.http.client_api import PREFIX as CLIENT_PREFIX
 from synflow.http.client_api import ClientApi
 from synflow.http.site import HealthResource, build_site
-from synflow.replication.commands import RemoteServerUpCommand
+from synflow.replication.commands import FederationAckCommand, RemoteServerUpCommand
 from synflow.replication.rpc import PREFIX as RPC_PREFIX
 from synflow.replication.rpc import PositionSource, RpcClient, RpcServer
 from synflow.storage.stores import DataStore
@@ -103,6 +105,7 @@ class SynflowProcess(ProcessService):
     client_api: ClientApi | None = None
     federation_inbound: Any = None
     federation_sender: FederationSender | None = None
+    edu_queue: EduQueue | None = None
     listeners: dict[str, ListeningService]
 
     async def setup_app(self) -> None:
@@ -126,6 +129,21 @@ class SynflowProcess(ProcessService):
             serve_persist(self.rpc_server, self.persister)
             _Drain(self.persister.drain).setServiceParent(self.app_services)
         self.router = EventRouter(me, config.event_writers, self.persister, self.rpc_client, self.reactor)
+        if config.app == "master":
+            self.edu_queue = EduQueue(self.db, self.replication.writers, me, config.federation_sender_instances)
+            handler.add_command_listener(FederationAckCommand, self.edu_queue.on_ack)
+            queue = self.edu_queue
+
+            async def queue_edus(args: Any) -> Any:
+                edus = args.get("edus") if isinstance(args, dict) else None
+                if not isinstance(edus, list) or not all(
+                    isinstance(e, list) and len(e) == 3 and isinstance(e[0], str) and isinstance(e[1], str)
+                    and isinstance(e[2], dict) for e in edus
+                ):
+                    raise HttpApiError(400, "M_BAD_JSON", "queue_edus needs a list of [destination, edu_type, content]")
+                return await queue.queue([tuple(e) for e in edus])
+
+            self.rpc_server.register("queue_edus", queue_edus)
         self.sync = SyncHandler(self.store, handler, self.instances, self.reactor, self.audit)
         health = HealthResource(self.health_problems, self.health_details)
         max_body = config.limits.max_request_bytes
@@ -144,7 +162,7 @@ class SynflowProcess(ProcessService):
             await self.setup_federation_sender(handler)
         if config.listener("client") is not None:
             self.client_api = ClientApi(config.server_name, self.store, self.sync, self.router.persist,
-                                        self.event_position, self.reactor, config.limits)
+                                        self.event_position, self.reactor, config.limits, queue_edus=self.queue_edus)
         for listener in config.listeners:
             mounts: dict[str, Any] = {}
             for resource in listener.resources:
@@ -178,6 +196,7 @@ class SynflowProcess(ProcessService):
         )
         sender = self.federation_sender
         handler.add_command_listener(RemoteServerUpCommand, lambda _c, cmd: sender.notify_remote_server_up(cmd.server_name))
+        self.edu_follower = EduFollower(handler, sender, config.instance_name, self.reactor)
         self.app_services.addService(_FederationService(self.follower, sender))
 
     def setup_caches(self, handler: Any) -> None:
@@ -215,6 +234,13 @@ class SynflowProcess(ProcessService):
         service.setServiceParent(self.app_services)
         self.listeners[name] = service
         return service
+
+    async def queue_edus(self, edus: list[tuple[str, str, dict[str, Any]]]) -> None:
+        """Queue EDUs on the master's federation stream (directly, or over RPC)."""
+        if self.edu_queue is not None:
+            await self.edu_queue.queue(edus)
+        else:
+            await self.rpc_client.call("master", "queue_edus", {"edus": [list(e) for e in edus]})
 
     def new_event_id(self) -> str:
         return f"${secrets.token_urlsafe(18)}:{self.config.server_name}"

@@ -30,12 +30,15 @@ from synflow.federation.inbound import InboundTransactionHandler
 from synflow.federation.policy import RetryState
 from synflow.federation.sender import FederationSender
 from synflow.federation.storage import SqlDedupeStore, SqlDestinationStore
+from synflow.metrics import counter
 from synflow.replication.commands import RemoteServerUpCommand
 from synflow.replication.handler import ReplicationHandler
 from synflow.storage.instances import InstanceMap
 from synflow.tokens import StreamToken
 
 logger = logging.getLogger(__name__)
+
+EDUS_RECEIVED = counter("synflow_federation_edus_received_total", "EDUs received from remote servers", ["edu_type"])
 
 BATCH = 500
 PERSIST_INTERVAL_S = 1.0
@@ -155,7 +158,10 @@ def inbound_handler(db: Any, router: EventRouter, handler: ReplicationHandler, *
     def persist(origin: str, pdu: dict[str, Any]) -> Deferred[None]:
         return Deferred.fromCoroutine(persist_pdu(origin, pdu))
 
+    def received_edu(origin: str, edu: dict[str, Any]) -> None:
+        EDUS_RECEIVED.labels(edu_type=str(edu.get("edu_type", "?"))[:64]).inc()
+
     return InboundTransactionHandler(
-        SqlDedupeStore(db), persist, remote_server_up, allowed_origins=allowed_origins,
+        SqlDedupeStore(db), persist, remote_server_up, on_edu=received_edu, allowed_origins=allowed_origins,
         max_body_bytes=max_body_bytes, max_json_depth=max_json_depth,
     )

@@ -11,6 +11,7 @@ request                                      response
 ``PUT rooms/{room}/send/{type}/{txn_id}``    ``{"event_id", "token"}`` (idempotent per user and txn_id)
 ``GET sync?since=&timeout=&limit=&device_id=``  ``{"next_batch", "events", "limited"}``
 ``GET rooms/{room}/members``                 ``{"members", "token"}`` (read at or after ``token``)
+``PUT rooms/{room}/typing {"typing": bool}``  ``{}`` (an EDU to the room's remote servers)
 ===========================================  =========================================
 
 Every request but ``register`` needs ``Authorization: Bearer <access_token>``.
@@ -82,7 +83,8 @@ class ClientApi(JsonResource):
 
     def __init__(self, server_name: str, store: DataStore, sync: SyncHandler, persist: Persist,
                  event_position: Callable[[PersistResult], Awaitable[StreamToken]],
-                 clock: IReactorTime, limits: LimitsConfig) -> None:
+                 clock: IReactorTime, limits: LimitsConfig,
+                 queue_edus: Callable[[list[tuple[str, str, dict[str, Any]]]], Awaitable[None]] | None = None) -> None:
         super().__init__(PREFIX, max_depth=limits.max_json_depth)
         self.server_name = server_name
         self.store = store
@@ -91,6 +93,7 @@ class ClientApi(JsonResource):
         self.event_position = event_position
         self.clock = clock
         self.limits = limits
+        self.queue_edus = queue_edus
         self.rate = (TokenBucket(limits.rate_limit_per_s, limits.rate_limit_burst, clock)
                      if limits.rate_limit_per_s else None)
         self.route("POST", r"/register", self.on_register)
@@ -101,6 +104,7 @@ class ClientApi(JsonResource):
         self.route("PUT", rf"/rooms/{_ROOM}/send/(?P<event_type>[^/]{{1,255}})/(?P<txn_id>[^/]{{1,255}})", self.on_send)
         self.route("GET", r"/sync", self.on_sync)
         self.route("GET", rf"/rooms/{_ROOM}/members", self.on_members)
+        self.route("PUT", rf"/rooms/{_ROOM}/typing", self.on_typing)
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -191,6 +195,22 @@ class ClientApi(JsonResource):
         result = await self._persist_one(self._spec(room_id, event_type, requester.user_id, content, txn_id=txn_id))
         token = await self.event_position(result)
         return 200, {"event_id": result.event_id, "token": str(token)}
+
+    async def on_typing(self, request: Request, room_id: str) -> tuple[int, Any]:
+        """Tell the room's remote servers that the user is (or stopped) typing: an EDU, not an event."""
+        requester = await self.auth(request)
+        body = self.body(request)
+        typing = body.get("typing")
+        if not isinstance(typing, bool):
+            raise HttpApiError(400, "M_BAD_JSON", "typing must be true or false")
+        self._rate_limit(requester.user_id)
+        if await self.store.get_membership(room_id, requester.user_id) != "join":
+            raise HttpApiError(403, "M_FORBIDDEN", f"{requester.user_id} is not joined to room {room_id}")
+        hosts = [h for h in await self.store.get_current_hosts_in_room(room_id) if h != self.server_name]
+        if hosts and self.queue_edus is not None:
+            content = {"room_id": room_id, "user_id": requester.user_id, "typing": typing}
+            await self.queue_edus([(h, "m.typing", content) for h in hosts])
+        return 200, {}
 
     async def on_members(self, request: Request, room_id: str) -> tuple[int, Any]:
         """The room's joined members, and the position (token) they were read at.

@@ -77,6 +77,9 @@ class Client:
     async def send(self, room_id: str, content: dict, txn_id: str, event_type: str = "m.room.message") -> dict:
         return await self.request("PUT", f"/rooms/{quote(room_id)}/send/{quote(event_type)}/{quote(txn_id)}", content)
 
+    async def typing(self, room_id: str, typing: bool = True) -> None:
+        await self.request("PUT", f"/rooms/{quote(room_id)}/typing", {"typing": typing})
+
     async def members(self, room_id: str) -> dict:
         return await self.request("GET", f"/rooms/{quote(room_id)}/members")
 

@@ -163,6 +163,37 @@ class FederationMixin:
         self.assertEqual(len(on_b), len(set(on_b)), "a message reached b.test twice")
 
     @inlineCallbacks
+    def test_edus_delivered_and_acknowledged(self):
+        """Typing EDUs reach the remote server; every sender acknowledges and the master trims its outbox."""
+        yield self.pair()
+        alice, bob, rooms = yield ensureDeferred(self.shared_rooms(4))
+        for room in rooms:
+            yield ensureDeferred(alice.typing(room, True))
+
+        def received() -> float:
+            text = urllib.request.urlopen(
+                f"http://127.0.0.1:{self.b.cluster.instance_ports['master']}/metrics", timeout=5).read().decode()
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith('synflow_federation_edus_received_total{edu_type="m.typing"}'))
+
+        yield wait_until(lambda: received() >= len(rooms), 60, "the typing EDUs to reach b.test")
+
+        def outbox_rows() -> int:
+            conn = sqlite3.connect(self.a.cluster.shared["database"]["path"]) if self.engine == "sqlite" else None
+            if conn is None:
+                pg = services.pg_connect(self.a.cluster.dbname)
+                cur = pg.cursor()
+                cur.execute("SELECT count(*) FROM federation_outbox")
+                n = cur.fetchone()[0]
+                pg.close()
+                return n
+            n = conn.execute("SELECT count(*) FROM federation_outbox").fetchone()[0]
+            conn.close()
+            return n
+
+        yield wait_until(lambda: outbox_rows() == 0, 60, "both senders' FEDERATION_ACKs to trim the outbox")
+
+    @inlineCallbacks
     def test_inbound_garbage_rejected(self):
         """Malformed inbound transactions get 400/403 with an error body; nothing is persisted; the master serves on."""
         yield self.pair()
