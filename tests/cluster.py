@@ -57,6 +57,33 @@ def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval
         yield sleep(interval)
 
 
+@inlineCallbacks
+def single_master(testcase: Any, extra_yaml: str = "", server_name: str = "api.test"):
+    """An in-process master on SQLite that persists its own events, with a client
+    (and federation) listener on a free port; returns ``(service, base_url)``."""
+    from synflow.app.build import build_service
+    from synflow.config import load_config
+
+    base = os.path.abspath(testcase.mktemp())
+    os.makedirs(base)
+    path = os.path.join(base, "master.yaml")
+    with open(path, "w") as f:
+        f.write(
+            f"server_name: {server_name}\napp: master\ninstance_name: master\n"
+            f"data_dir: {base}/var\naudit: {{dir: {base}/var/audit}}\n"
+            "instance_map: {master: {host: 127.0.0.1, port: 0}}\nstream_writers: {events: [master]}\n"
+            "replication: {hub: {host: 127.0.0.1, port: 0}}\n"
+            "listeners: [{resources: [client, federation], endpoint: 'tcp:0:interface=127.0.0.1'}]\n" + extra_yaml
+        )
+    master = build_service(load_config([path]), reactor, exit_on_failure=False)
+    master.startService()
+    testcase.addCleanup(master.stopService)
+    yield master.ready
+    listener = master.listeners["client"]
+    yield listener.when_listening()
+    return master, f"http://127.0.0.1:{listener.bound_port}"
+
+
 def read_jsonl(path: str) -> list[dict]:
     if not os.path.exists(path):
         return []
@@ -119,6 +146,24 @@ class Cluster:
         os.makedirs(self.shared["data_dir"], exist_ok=True)
         self.shared_path = self.write("shared.yaml", self.shared)
         testcase.addCleanup(self.kill_all)
+
+    def query(self, sql: str, args: tuple = ()) -> list[tuple]:
+        """Run one read query against the deployment's database (``?`` placeholders)."""
+        if self.engine == "postgres":
+            conn = services.pg_connect(self.dbname)
+            try:
+                cur = conn.cursor()
+                cur.execute(sql.replace("?", "%s"), args)
+                return [tuple(r) for r in cur.fetchall()]
+            finally:
+                conn.close()
+        import sqlite3
+
+        conn = sqlite3.connect(self.shared["database"]["path"])
+        try:
+            return [tuple(r) for r in conn.execute(sql, args).fetchall()]
+        finally:
+            conn.close()
 
     def write(self, name: str, data: dict) -> str:
         path = os.path.join(self.dir, name)

@@ -14,17 +14,16 @@ import random
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from twisted.internet import reactor
 from twisted.internet.defer import ensureDeferred, inlineCallbacks
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from synflow.app.build import build_service
 from synflow.config import load_config
 from synflow.errors import ConfigError, ProtocolError, TokenError
 from synflow.replication.commands import COMMANDS, Side, parse_line
 from synflow.replication.core import Close, ConnectionCore, SendLine
 from synflow.tokens import StreamToken
 from synflow.tools.client import ApiError, Client, new_pool
+from tests.cluster import single_master
 
 LINES_PER_EXAMPLE = 50
 FUZZ = settings(max_examples=2_000, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
@@ -156,25 +155,9 @@ class HttpFuzzTest(TestCase):
 
     @inlineCallbacks
     def setUp(self):
-        base = os.path.abspath(self.mktemp())
-        os.makedirs(base)
-        path = os.path.join(base, "master.yaml")
-        with open(path, "w") as f:
-            f.write(
-                "server_name: fuzz.test\napp: master\ninstance_name: master\n"
-                f"data_dir: {base}/var\naudit: {{enabled: false}}\n"
-                "instance_map: {master: {host: 127.0.0.1, port: 0}}\nstream_writers: {events: [master]}\n"
-                "replication: {hub: {host: 127.0.0.1, port: 0}}\n"
-                "federation: {destinations: {other.test: 'http://127.0.0.1:1'}}\n"
-                "listeners: [{resources: [client, federation], endpoint: 'tcp:0:interface=127.0.0.1'}]\n"
-            )
-        self.master = build_service(load_config([path]), reactor, exit_on_failure=False)
-        self.master.startService()
-        self.addCleanup(self.master.stopService)
-        yield self.master.ready
-        listener = self.master.listeners["client"]
-        yield listener.when_listening()
-        self.url = f"http://127.0.0.1:{listener.bound_port}"
+        self.master, self.url = yield single_master(
+            self, "federation: {destinations: {other.test: 'http://127.0.0.1:1'}}\n", server_name="fuzz.test"
+        )
         self.pool = new_pool()
         self.addCleanup(self.pool.closeCachedConnections)
 

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import os
-
-from twisted.internet import reactor
 from twisted.internet.defer import ensureDeferred, inlineCallbacks
 from twisted.trial.unittest import TestCase
 
-from synflow.app.build import build_service
-from synflow.config import load_config
 from synflow.tools.client import ApiError, Client, new_pool
+from tests.cluster import single_master
 
 
 def _as_deferred(f):
@@ -28,26 +24,7 @@ class _ApiTestBase(TestCase):
 
     @inlineCallbacks
     def setUp(self):
-        base = os.path.abspath(self.mktemp())
-        os.makedirs(base)
-        path = os.path.join(base, "master.yaml")
-        with open(path, "w") as f:
-            f.write(
-                "server_name: api.test\napp: master\ninstance_name: master\n"
-                f"data_dir: {base}/var\naudit: {{dir: {base}/var/audit}}\n"
-                "instance_map: {master: {host: 127.0.0.1, port: 0}}\n"
-                "stream_writers: {events: [master]}\n"
-                "replication: {hub: {host: 127.0.0.1, port: 0}}\n"
-                "listeners: [{resources: [client], endpoint: 'tcp:0:interface=127.0.0.1'}]\n" + self.extra
-            )
-        self.base = base
-        self.master = build_service(load_config([path]), reactor, exit_on_failure=False)
-        self.master.startService()
-        self.addCleanup(self.master.stopService)
-        yield self.master.ready
-        listener = self.master.listeners["client"]
-        yield listener.when_listening()
-        self.url = f"http://127.0.0.1:{listener.bound_port}"
+        self.master, self.url = yield single_master(self, self.extra)
         self.pool = new_pool()
         self.addCleanup(self.pool.closeCachedConnections)
 

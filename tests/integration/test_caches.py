@@ -19,38 +19,13 @@ WRITERS = ("persister1", "persister2")
 
 def membership_events(cluster: Cluster, room_id: str) -> list[tuple[str, int, str, str]]:
     """(writer, stream_ordering, user, membership) of a room's membership events, in order."""
-    sql = ("SELECT instance_name, stream_ordering, state_key, membership FROM events "
-           "WHERE room_id = ? AND type = 'm.room.member' ORDER BY stream_ordering")
-    if cluster.engine == "postgres":
-        conn = services.pg_connect(cluster.dbname)
-        cur = conn.cursor()
-        cur.execute(sql.replace("?", "%s"), (room_id,))
-        rows = cur.fetchall()
-        conn.close()
-    else:
-        import sqlite3
-
-        conn = sqlite3.connect(cluster.shared["database"]["path"])
-        rows = conn.execute(sql, (room_id,)).fetchall()
-        conn.close()
-    return [(w, int(s), u, m) for w, s, u, m in rows]
+    rows = cluster.query("SELECT instance_name, stream_ordering, state_key, membership FROM events "
+                         "WHERE room_id = ? AND type = 'm.room.member' ORDER BY stream_ordering", (room_id,))
+    return [(w, int(sid), u, m) for w, sid, u, m in rows]
 
 
 def instance_ids(cluster: Cluster) -> dict[str, int]:
-    sql = "SELECT instance_name, instance_id FROM instance_map"
-    if cluster.engine == "postgres":
-        conn = services.pg_connect(cluster.dbname)
-        cur = conn.cursor()
-        cur.execute(sql)
-        rows = cur.fetchall()
-        conn.close()
-    else:
-        import sqlite3
-
-        conn = sqlite3.connect(cluster.shared["database"]["path"])
-        rows = conn.execute(sql).fetchall()
-        conn.close()
-    return dict(rows)
+    return dict(cluster.query("SELECT instance_name, instance_id FROM instance_map"))
 
 
 def allowed_members(events, token: StreamToken, ids: dict[str, int]) -> tuple[set[str], set[str]]:

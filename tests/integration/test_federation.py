@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import sqlite3
 import urllib.error
 import urllib.request
 
@@ -12,7 +11,6 @@ from twisted.internet.defer import ensureDeferred, inlineCallbacks
 from twisted.trial.unittest import TestCase
 
 from synflow.tools.client import ApiError, Client, new_pool
-from tests import services
 from tests.cluster import Cluster, free_port, sleep, wait_until
 
 WRITERS = ("persister1", "persister2")
@@ -21,18 +19,8 @@ SENDERS = ("sender1", "sender2")
 
 def messages(cluster: Cluster) -> list[tuple[str, str, str]]:
     """(room_id, event_id, origin) of every message in a deployment's database, in stream order."""
-    sql = "SELECT room_id, event_id, origin FROM events WHERE type = 'm.room.message' ORDER BY stream_ordering"
-    if cluster.engine == "postgres":
-        conn = services.pg_connect(cluster.dbname)
-        cur = conn.cursor()
-        cur.execute(sql)
-        rows = cur.fetchall()
-        conn.close()
-    else:
-        conn = sqlite3.connect(cluster.shared["database"]["path"])
-        rows = conn.execute(sql).fetchall()
-        conn.close()
-    return [tuple(r) for r in rows]
+    return cluster.query("SELECT room_id, event_id, origin FROM events WHERE type = 'm.room.message' "
+                         "ORDER BY stream_ordering")
 
 
 class Side:
@@ -179,17 +167,7 @@ class FederationMixin:
         yield wait_until(lambda: received() >= len(rooms), 60, "the typing EDUs to reach b.test")
 
         def outbox_rows() -> int:
-            conn = sqlite3.connect(self.a.cluster.shared["database"]["path"]) if self.engine == "sqlite" else None
-            if conn is None:
-                pg = services.pg_connect(self.a.cluster.dbname)
-                cur = pg.cursor()
-                cur.execute("SELECT count(*) FROM federation_outbox")
-                n = cur.fetchone()[0]
-                pg.close()
-                return n
-            n = conn.execute("SELECT count(*) FROM federation_outbox").fetchone()[0]
-            conn.close()
-            return n
+            return self.a.cluster.query("SELECT count(*) FROM federation_outbox")[0][0]
 
         yield wait_until(lambda: outbox_rows() == 0, 60, "both senders' FEDERATION_ACKs to trim the outbox")
 

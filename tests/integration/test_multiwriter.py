@@ -65,25 +65,10 @@ def kill_all_redis_clients() -> int:
 
 def committed_facts(cluster: Cluster) -> dict[str, list[tuple[int, str]]]:
     """(stream_id, event_id) per writer, from the database itself."""
-    rows = []
-    if cluster.engine == "postgres":
-        from tests.services import pg_connect
-
-        conn = pg_connect(cluster.dbname)
-        cur = conn.cursor()
-        cur.execute("SELECT instance_name, stream_ordering, event_id FROM events ORDER BY stream_ordering")
-        rows = cur.fetchall()
-        conn.close()
-    else:
-        import sqlite3
-
-        conn = sqlite3.connect(cluster.shared["database"]["path"])
-        rows = conn.execute(
-            "SELECT instance_name, stream_ordering, event_id FROM events ORDER BY stream_ordering"
-        ).fetchall()
-        conn.close()
     facts: dict[str, list[tuple[int, str]]] = {}
-    for instance, sid, event_id in rows:
+    for instance, sid, event_id in cluster.query(
+        "SELECT instance_name, stream_ordering, event_id FROM events ORDER BY stream_ordering"
+    ):
         facts.setdefault(instance, []).append((sid, event_id))
     return facts
 

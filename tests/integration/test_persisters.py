@@ -8,15 +8,12 @@ against both; the checks are made from the clients' responses.
 
 from __future__ import annotations
 
-import sqlite3
-
 from twisted.internet.defer import ensureDeferred, inlineCallbacks
 from twisted.trial.unittest import TestCase
 
 from synflow.sharding import shard_for
 from synflow.tools.client import ApiError, Client
 from synflow.tools.workload import Workload
-from tests import services
 from tests.cluster import Cluster, free_port, sleep
 
 WRITERS = ("persister1", "persister2")
@@ -24,18 +21,9 @@ WRITERS = ("persister1", "persister2")
 
 def events_by_writer(cluster: Cluster) -> dict[str, list[tuple[str, str]]]:
     """(room_id, event_id) of every message, by the persister that wrote it."""
-    sql = "SELECT instance_name, room_id, event_id FROM events WHERE type = 'm.room.message' ORDER BY stream_ordering"
-    if cluster.engine == "postgres":
-        conn = services.pg_connect(cluster.dbname)
-        cur = conn.cursor()
-        cur.execute(sql)
-        rows = cur.fetchall()
-        conn.close()
-    else:
-        conn = sqlite3.connect(cluster.shared["database"]["path"])
-        rows = conn.execute(sql).fetchall()
-        conn.close()
     out: dict[str, list[tuple[str, str]]] = {}
+    rows = cluster.query("SELECT instance_name, room_id, event_id FROM events WHERE type = 'm.room.message' "
+                         "ORDER BY stream_ordering")
     for instance, room, event in rows:
         out.setdefault(instance, []).append((room, event))
     return out
@@ -43,20 +31,9 @@ def events_by_writer(cluster: Cluster) -> dict[str, list[tuple[str, str]]]:
 
 def message_numbers(cluster: Cluster) -> list[str]:
     """The workload's message numbers (content.n) of every message in the database."""
-    sql = "SELECT content FROM events WHERE type = 'm.room.message'"
-    if cluster.engine == "postgres":
-        conn = services.pg_connect(cluster.dbname)
-        cur = conn.cursor()
-        cur.execute(sql)
-        rows = cur.fetchall()
-        conn.close()
-    else:
-        conn = sqlite3.connect(cluster.shared["database"]["path"])
-        rows = conn.execute(sql).fetchall()
-        conn.close()
     import json
 
-    return [json.loads(r[0]).get("n") for r in rows]
+    return [json.loads(r[0]).get("n") for r in cluster.query("SELECT content FROM events WHERE type = 'm.room.message'")]
 
 
 class PersisterMixin:
