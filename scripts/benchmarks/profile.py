@@ -1,0 +1,132 @@
+"""Profiles of benchmark processes with py-spy, and a text summary of them.
+
+``scripts/bench --profile`` attaches ``py-spy record --gil`` (pip-installed
+into the venv: ``pip install py-spy``; it needs ptrace rights over the
+processes) to the processes on the slowest hot paths for a while during the
+measured phase -- sampling only the thread holding the GIL, so the profile is
+where the interpreter's time goes, not threads waiting on PostgreSQL -- writing collapsed stacks to ``DIR/profiles/<bench>-<process>.txt``
+(load them into speedscope.app or flamegraph.pl) and a summary of the
+functions with the most samples, self and inclusive, to
+``DIR/profiles/<bench>-<process>.summary.txt``.
+
+``python -m scripts.benchmarks.profile FILE [--top N]`` prints the summary of
+any py-spy ``--format raw`` file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+from collections import Counter
+from typing import Any
+
+_FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^()]*?)(?::(?P<line>\d+))?\)$")
+
+
+def _short(frame: str) -> str:
+    """``func (path/to/module.py:123)`` -> ``func (module.py)``, dropping the line."""
+    m = _FRAME.match(frame.strip())
+    if not m:
+        return frame.strip()
+    path = m.group("file")
+    for marker in ("site-packages/", "/work/main/", "python3.11/"):
+        if marker in path:
+            path = path.split(marker, 1)[1]
+    return f"{m.group('func')} ({path})"
+
+
+#: Leaf frames that are waits, not work (py-spy's idle detection misses them with --nonblocking).
+WAITS = ("EPollReactor.doPoll", "Condition.wait", "Event.wait", "Thread.join", "_wait_for_tstate_lock",
+         "Queue.get", "select ")
+
+
+def summarize(path: str, top: int = 25) -> str:
+    """The functions with the most samples in a collapsed-stack file, self and inclusive (waits left out)."""
+    self_c: Counter[str] = Counter()
+    incl_c: Counter[str] = Counter()
+    total = waiting = 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            stack, _, count = line.rstrip("\n").rpartition(" ")
+            if not stack or not count.isdigit():
+                continue
+            n = int(count)
+            frames = [_short(fr) for fr in stack.split(";") if fr and not fr.startswith(("process ", "thread "))]
+            if not frames:
+                continue
+            if frames[-1].startswith(WAITS):
+                waiting += n
+                continue
+            total += n
+            self_c[frames[-1]] += n
+            for fr in set(frames):
+                incl_c[fr] += n
+    if not total:
+        return f"{path}: no samples\n"
+    out = [f"{os.path.basename(path)}: {total} samples working, {waiting} waiting (epoll, locks; left out); "
+           "percentages of the working samples", "", "self %   function"]
+    out += [f"{100 * c / total:6.1f}  {fn}" for fn, c in self_c.most_common(top)]
+    # Inclusive: synflow's own code and the benchmark's, below the reactor loop.
+    ours = [(fn, c) for fn, c in incl_c.most_common() if ("synflow/" in fn or "scripts/" in fn) and c < 0.97 * total]
+    out += ["", "incl %   function (synflow and harness frames: time in it and in what it calls)"]
+    out += [f"{100 * c / total:6.1f}  {fn}" for fn, c in ours[:top]]
+    return "\n".join(out) + "\n"
+
+
+class Profiler:
+    """Attaches py-spy to processes for a fixed time; writes raw stacks and summaries."""
+
+    def __init__(self, directory: str | None) -> None:
+        self.directory = directory
+        self.procs: list[tuple[subprocess.Popen[bytes], str]] = []
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.directory) and shutil.which("py-spy") is not None
+
+    def attach(self, name: str, pid: int, seconds: float) -> None:
+        if not self.enabled:
+            return
+        assert self.directory is not None
+        os.makedirs(self.directory, exist_ok=True)
+        out = os.path.join(self.directory, f"{name}.txt")
+        proc = subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--rate", "200", "--duration", str(int(seconds)),
+                                 "--format", "raw", "--nonblocking", "--gil", "-o", out],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.procs.append((proc, out))
+
+    def finish(self) -> list[str]:
+        """Wait for every recording; write and return the summaries' paths."""
+        done = []
+        for proc, out in self.procs:
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            if os.path.exists(out):
+                summary = out[:-4] + ".summary.txt"
+                with open(summary, "w", encoding="utf-8") as f:
+                    f.write(summarize(out))
+                done.append(summary)
+        self.procs = []
+        return done
+
+
+def from_env() -> Profiler:
+    """The profiler ``scripts/bench --profile`` asks for (disabled otherwise)."""
+    return Profiler(os.environ.get("SYNFLOW_BENCH_PROFILE") or None)
+
+
+def main(argv: Any = None) -> None:
+    p = argparse.ArgumentParser(description="Summarise a py-spy raw (collapsed stacks) file.")
+    p.add_argument("file")
+    p.add_argument("--top", type=int, default=25)
+    args = p.parse_args(argv)
+    print(summarize(args.file, args.top))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""The benchmark harness runs and writes its three outputs.
+
+Runs ``python -m scripts.benchmarks --quick --only codec,tcp`` (the two
+benchmarks that need no service, about 20 s) in real processes and checks
+``bench.json``, ``bench.md`` and the scaling plot. Nothing here asserts a
+speed: the figures are reported, never judged by a test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+from twisted.trial import unittest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class BenchHarnessTest(unittest.TestCase):
+    def test_quick_run_writes_json_table_and_plot(self) -> None:
+        out = tempfile.mkdtemp(prefix="synflow-bench-test-")
+        self.addCleanup(shutil.rmtree, out, True)
+        proc = subprocess.run(
+            [sys.executable, "-m", "scripts.benchmarks", "--quick", "--only", "codec,tcp", "--out", out],
+            cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=600,
+        )
+        self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+        # progress is shown while it runs
+        self.assertIn("[bench ", proc.stderr)
+        self.assertIn("==> codec [1/1]", proc.stderr)
+
+        with open(os.path.join(out, "bench.json"), encoding="utf-8") as f:
+            data = json.load(f)
+        self.assertEqual(data["mode"], "quick")
+        self.assertEqual(data["machine"]["cores"], os.cpu_count())
+        by_name = {b["name"]: b for b in data["benchmarks"]}
+        self.assertEqual(set(by_name), {"codec", "tcp"})
+        for bench in by_name.values():
+            self.assertEqual(bench["errors"], [])
+            self.assertEqual(bench["succeeded"], 1)
+            for target in bench["targets"]:
+                self.assertIn(target["met"], (True, False))
+        rows = {r["key"]: r for b in by_name.values() for r in b["rows"]}
+        # every figure comes with the ceiling measured in the same run, and the ratio between them
+        mix = rows["codec.mix"]
+        self.assertGreater(mix["value"], 0)
+        self.assertGreater(mix["ceiling"], 0)
+        self.assertAlmostEqual(mix["ratio"], mix["value"] / mix["ceiling"], places=6)
+        tcp_rows = [r for k, r in rows.items() if k.startswith("tcp.")]
+        self.assertTrue(tcp_rows)
+        self.assertTrue(all(r["value"] > 0 for r in tcp_rows))
+
+        with open(os.path.join(out, "bench.md"), encoding="utf-8") as f:
+            table = f.read()
+        self.assertIn("| benchmark | figure | measured | ceiling | ratio | target | met? |", table)
+        self.assertIn("| codec | parse + encode, mixed lines |", table)
+        self.assertIn("Targets met:", table)
+
+        with open(os.path.join(out, "scaling.png"), "rb") as f:
+            self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
