@@ -108,6 +108,8 @@ def _check_int(instance: object, attribute: attrs.Attribute, value: int) -> None
 
 
 def _parse_int(text: str, what: str) -> int:
+    if 0 < len(text) < 19 and text.isdigit() and text.isascii():
+        return int(text)  # the common case: a small non-negative token, always in range
     if not _INT_RE.match(text):
         raise RemoteProtocolError(f"{what} is not an integer: {text!r}")
     value = int(text)
@@ -129,6 +131,10 @@ def _split(args: str, count: int, command: str, fmt: str) -> list[str]:
             f"{command} needs {count} arguments ({fmt}), got {len(parts)}: {args!r}"
         )
     return parts
+
+
+_new = object.__new__
+_set = object.__setattr__
 
 
 def _no_constants(name: str) -> Any:
@@ -352,18 +358,22 @@ class PositionCommand:
     instance_name: str = attrs.field(validator=_check_word)
     prev_token: int = attrs.field(validator=_check_int)
     new_token: int = attrs.field(validator=_check_int)
+    #: The encoded line, once known (parsed from or encoded to bytes); relays reuse it.
+    wire: bytes | None = attrs.field(default=None, init=False, eq=False, repr=False)
 
     @classmethod
     def from_args(cls, args: str) -> PositionCommand:
         stream, instance, prev, new = _split(
             args, 4, "POSITION", "<stream> <instance> <prev_token> <new_token>"
         )
-        return cls(
-            _parse_word(stream, "POSITION stream name"),
-            _parse_word(instance, "POSITION instance name"),
-            _parse_int(prev, "POSITION prev_token"),
-            _parse_int(new, "POSITION new_token"),
-        )
+        # Built without re-running the field validators: every field is checked here.
+        cmd = _new(cls)
+        _set(cmd, "stream_name", _parse_word(stream, "POSITION stream name"))
+        _set(cmd, "instance_name", _parse_word(instance, "POSITION instance name"))
+        _set(cmd, "prev_token", _parse_int(prev, "POSITION prev_token"))
+        _set(cmd, "new_token", _parse_int(new, "POSITION new_token"))
+        _set(cmd, "wire", None)
+        return cmd
 
     def to_args(self) -> str:
         return f"{self.stream_name} {self.instance_name} {self.prev_token} {self.new_token}"
@@ -397,6 +407,8 @@ class RdataCommand:
     instance_name: str = attrs.field(validator=_check_word)
     token: int | None = attrs.field(validator=_check_token)
     row: list[Any] = attrs.field(validator=_check_row)
+    #: The encoded line, once known (parsed from or encoded to bytes); relays reuse it.
+    wire: bytes | None = attrs.field(default=None, init=False, eq=False, repr=False)
 
     @classmethod
     def from_args(cls, args: str) -> RdataCommand:
@@ -406,12 +418,14 @@ class RdataCommand:
         row = decode_json(row_json)
         if not isinstance(row, list):
             raise RemoteProtocolError(f"RDATA row must be a JSON array, got {row_json[:80]!r}")
-        return cls(
-            _parse_word(stream, "RDATA stream name"),
-            _parse_word(instance, "RDATA instance name"),
-            None if token == BATCH_TOKEN else _parse_int(token, "RDATA token"),
-            row,
-        )
+        # Built without re-running the field validators: every field is checked here.
+        cmd = _new(cls)
+        _set(cmd, "stream_name", _parse_word(stream, "RDATA stream name"))
+        _set(cmd, "instance_name", _parse_word(instance, "RDATA instance name"))
+        _set(cmd, "token", None if token == BATCH_TOKEN else _parse_int(token, "RDATA token"))
+        _set(cmd, "row", row)
+        _set(cmd, "wire", None)
+        return cmd
 
     def to_args(self) -> str:
         token = BATCH_TOKEN if self.token is None else str(self.token)
@@ -536,6 +550,10 @@ COMMANDS: Final[dict[str, type[AnyCommand]]] = {
 }
 
 
+#: Commands that remember their encoded line (the stream commands every relay forwards).
+_WIRE_CACHED: Final = frozenset({RdataCommand, PositionCommand})
+
+
 def may_send(command: type[AnyCommand] | AnyCommand, side: Side) -> bool:
     """Whether ``side`` of a point-to-point connection may send this command."""
     return bool(command.SENDERS & side)
@@ -555,8 +573,9 @@ def parse_line(line: str | bytes) -> AnyCommand:
             is not UTF-8, names an unknown command, or has malformed arguments.
             Nothing else is raised.
     """
-    if isinstance(line, bytes | bytearray | memoryview):
-        raw = bytes(line)
+    raw: bytes | None = None
+    if type(line) is bytes or isinstance(line, bytes | bytearray | memoryview):
+        raw = line if type(line) is bytes else bytes(line)
         if len(raw) > MAX_LINE_LENGTH:
             raise RemoteProtocolError(
                 f"line is {len(raw)} bytes, longer than the limit of {MAX_LINE_LENGTH}"
@@ -582,12 +601,15 @@ def parse_line(line: str | bytes) -> AnyCommand:
     if cls is None:
         raise RemoteProtocolError(f"unknown command {name[:64]!r}")
     try:
-        return cls.from_args(args)
+        cmd = cls.from_args(args)
     except RemoteProtocolError:
         raise
     except LocalProtocolError as e:
         # A field validator refused a parsed value: from the peer, that is remote.
         raise RemoteProtocolError(str(e)) from None
+    if raw is not None and cls in _WIRE_CACHED:
+        _set(cmd, "wire", raw)  # a relay sends these bytes on unchanged
+    return cmd
 
 
 def _utf8_len(text: str) -> int:
@@ -622,8 +644,14 @@ def encode_line_bytes(cmd: AnyCommand) -> bytes:
         LocalProtocolError: as :func:`encode_line`, or if the text cannot be
             encoded as UTF-8 (a lone surrogate in a free-text field).
     """
+    wire = getattr(cmd, "wire", None)
+    if wire is not None:
+        return wire
     line = encode_line(cmd)
     try:
-        return line.encode("utf-8")
+        data = line.encode("utf-8")
     except UnicodeEncodeError as e:
         raise LocalProtocolError(f"{cmd.NAME} line is not encodable as UTF-8: {e.reason}") from None
+    if type(cmd) in _WIRE_CACHED:
+        _set(cmd, "wire", data)  # sent to several connections: encoded once
+    return data

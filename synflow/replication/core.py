@@ -31,6 +31,7 @@ import attrs
 
 from synflow.errors import ProtocolError, RemoteProtocolError
 from synflow.replication.commands import (
+    COMMANDS,
     MAX_LINE_LENGTH,
     AnyCommand,
     AuthCommand,
@@ -183,6 +184,8 @@ class ConnectionCore:
         if not 0 < high_water <= hard_limit:
             raise ValueError("need 0 < high_water <= hard_limit")
         self.side = side
+        #: The command classes the peer may send (checked on every line).
+        self._peer_may_send = frozenset(c for c in COMMANDS.values() if may_send(c, side.peer))
         self.server_name = server_name
         self.instance_name = instance_name
         self.ping_interval_s = ping_interval_s
@@ -282,8 +285,8 @@ class ConnectionCore:
                 return []
             logger.warning("closing %s: failed to parse line: %s", self._describe(), e)
             return self.close(f"failed to parse line: {e}", now)
-        peer = self.side.peer
-        if not may_send(cmd, peer):
+        if type(cmd) not in self._peer_may_send:
+            peer = self.side.peer
             logger.warning("closing %s: %s may not be sent by a %s", self._describe(), cmd.NAME, peer.word)
             return self.close(f"invalid command from {peer.word}: {cmd.NAME}", now)
         if not self.authenticated:
