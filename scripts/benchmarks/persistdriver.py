@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import random
 import sys
-import time
 from typing import Any
 
 from twisted.internet import reactor
@@ -37,23 +36,8 @@ class SplitWorkload(Workload):
         self.sync_urls = sync_urls
         self._sync_rng = random.Random(kwargs.get("seed", 1) + 1)
 
-    async def sync_once(self, user: UserState, timeout_ms: int = 0) -> int:
-        # Workload.sync_once, but against a sync URL.
-        try:
-            result = await user.client.at(self._sync_rng.choice(self.sync_urls)).sync(
-                since=user.since, timeout_ms=timeout_ms)
-        except Exception:
-            user.errors += 1
-            await deferLater(reactor, 0.2, lambda: None)
-            return 0
-        now = time.monotonic()
-        user.syncs += 1
-        for event in result["events"]:
-            if event["type"] == "m.room.message":
-                user.delivered.append((event["room_id"], event["event_id"]))
-                self.visible_at.setdefault(event["event_id"], now)
-        user.since = result["next_batch"]
-        return len(result["events"])
+    def sync_url(self, user: UserState) -> str:
+        return self._sync_rng.choice(self.sync_urls)
 
 
 async def throughput(args: argparse.Namespace) -> None:

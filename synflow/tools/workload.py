@@ -230,9 +230,13 @@ class Workload:
         while not self._stop_syncing:
             await self.sync_once(user, self.sync_timeout_ms)
 
+    def sync_url(self, user: UserState) -> str:
+        """Where ``user``'s next sync goes: the client API of the user's server."""
+        return self.url(user.server)
+
     async def sync_once(self, user: UserState, timeout_ms: int = 0) -> int:
         try:
-            result = await user.client.at(self.url(user.server)).sync(since=user.since, timeout_ms=timeout_ms)
+            result = await user.client.at(self.sync_url(user)).sync(since=user.since, timeout_ms=timeout_ms)
         except Exception:
             user.errors += 1
             await deferLater(reactor, 0.2, lambda: None)
