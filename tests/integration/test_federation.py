@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import urllib.error
 import urllib.request
+from collections import Counter
 
+import treq
+from twisted.internet import reactor
 from twisted.internet.defer import ensureDeferred, inlineCallbacks
 from twisted.trial.unittest import TestCase
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET, Site
 
+from synflow.sharding import shard_for
 from synflow.tools.client import ApiError, Client, new_pool
+from tests import services
 from tests.cluster import Cluster, free_port, sleep, wait_until
+from tests.spark._session import validate, violations
 
 WRITERS = ("persister1", "persister2")
 SENDERS = ("sender1", "sender2")
@@ -21,6 +30,63 @@ def messages(cluster: Cluster) -> list[tuple[str, str, str]]:
     """(room_id, event_id, origin) of every message in a deployment's database, in stream order."""
     return cluster.query("SELECT room_id, event_id, origin FROM events WHERE type = 'm.room.message' "
                          "ORDER BY stream_ordering")
+
+
+class FlakyDestination(Resource):
+    """A federation endpoint in front of a real one that misbehaves on a fixed schedule.
+
+    Request ``n`` (counting from 1) is, by ``n % 6``: 1 -- answered 500 without
+    being forwarded; 3 -- forwarded after 1 s (slow); 4 -- forwarded, then
+    answered 500 (the remote persisted it but the sender never hears so); 5 --
+    held 6 s, longer than the sender's request timeout, then forwarded anyway;
+    otherwise forwarded at once.
+    """
+
+    isLeaf = True
+
+    def __init__(self, pool) -> None:
+        super().__init__()
+        self.target = ""
+        self.pool = pool
+        self.requests = 0
+        self.faults: Counter[str] = Counter()
+
+    def render(self, request):
+        self.requests += 1
+        n = self.requests
+        body = request.content.read()
+        gone = []
+        request.notifyFinish().addErrback(lambda _: gone.append(True))
+        d = ensureDeferred(self._handle(n, request.uri.decode(), body))
+
+        def answer(result):
+            code, content = result
+            if not gone:
+                request.setResponseCode(code)
+                request.setHeader(b"content-type", b"application/json")
+                request.write(content)
+                request.finish()
+
+        d.addCallback(answer)
+        d.addErrback(lambda f: answer((502, json.dumps({"errcode": "M_UNKNOWN", "error": f.getErrorMessage()}).encode())))
+        return NOT_DONE_YET
+
+    async def _handle(self, n: int, uri: str, body: bytes) -> tuple[int, bytes]:
+        kind = n % 6
+        injected = json.dumps({"errcode": "M_UNKNOWN", "error": "injected failure"}).encode()
+        if kind == 1:
+            self.faults["500, not forwarded"] += 1
+            return 500, injected
+        if kind in (3, 5):
+            self.faults["slow (1 s)" if kind == 3 else "past the request timeout (6 s)"] += 1
+            await sleep(1.0 if kind == 3 else 6.0)
+        response = await treq.put(self.target + uri, data=body, headers={"Content-Type": ["application/json"]},
+                                  pool=self.pool)
+        content = await response.content()
+        if kind == 4:
+            self.faults["forwarded, then 500"] += 1
+            return 500, injected
+        return response.code, content
 
 
 class Side:
@@ -202,6 +268,92 @@ class FederationMixin:
 
 class SqliteFederationTest(FederationMixin, TestCase):
     engine = "sqlite"
+
+    @inlineCallbacks
+    def test_flaky_slow_destination_and_sender_killed(self):
+        """b.test answers 500s, slowly and past the timeout, and a's sender is SIGKILLed mid-load.
+
+        Nothing reaches b.test twice, each room's messages arrive in a's order,
+        every message sent before the kill arrives, the latest of every room
+        arrives after the restart, and a's audit logs validate clean.
+        """
+        services.require_java()
+        self.federation = {**self.federation, "catch_up_after_s": 3600.0}
+        pool = new_pool()
+        self.addCleanup(pool.closeCachedConnections)
+        flaky = FlakyDestination(pool)
+        site = Site(flaky)
+        site.noisy = False
+        port = reactor.listenTCP(0, site, interface="127.0.0.1")
+        self.addCleanup(port.stopListening)
+        fed_a, fed_b = free_port(), free_port()
+        self.a = Side(self, "a.test", self.engine, "b.test", port.getHost().port, fed_a, self.federation)
+        self.b = Side(self, "b.test", self.engine, "a.test", fed_a, fed_b, self.federation)
+        flaky.target = f"http://127.0.0.1:{fed_b}"
+        yield self.a.start()
+        yield self.b.start()
+        self.pool = new_pool()
+        self.addCleanup(self.pool.closeCachedConnections)
+        alice, bob, rooms = yield ensureDeferred(self.shared_rooms(6))
+
+        def from_a(cluster: Cluster) -> list[tuple[str, str, str]]:
+            return [m for m in messages(cluster) if m[2] == "a.test"]
+
+        # alice follows her own messages with a sync chain on a.test throughout (its tokens are audited).
+        chain: list[str] = []
+        state = {"since": None, "stop": False}
+
+        async def sync_round(timeout_ms: int) -> None:
+            result = await alice.sync(since=state["since"], timeout_ms=timeout_ms)
+            chain.extend(e["event_id"] for e in result["events"] if e["type"] == "m.room.message")
+            state["since"] = result["next_batch"]
+
+        async def follow() -> None:
+            while not state["stop"]:
+                await sync_round(500)
+
+        following = ensureDeferred(follow())
+        before = []
+        for i in range(60):
+            sent = yield ensureDeferred(alice.send(rooms[i % 6], {"body": f"before {i}"}, f"b{i}"))
+            before.append(sent["event_id"])
+        yield wait_until(lambda: {e for _, e, _ in from_a(self.b.cluster)} >= set(before), 120,
+                         "every message sent before the kill to reach b.test through the failures")
+
+        owner = shard_for("b.test", list(SENDERS))
+        latest = {}
+        for i in range(60):
+            if i == 20:
+                self.a.cluster.kill(owner)
+            if i == 30:
+                self.a.cluster.start_twistd(owner, "federation_sender")
+                yield self.a.cluster.wait_for_port(self.a.cluster.instance_ports[owner], owner)
+            sent = yield ensureDeferred(alice.send(rooms[i % 6], {"body": f"around the kill {i}"}, f"k{i}"))
+            latest[rooms[i % 6]] = sent["event_id"]
+            before.append(sent["event_id"])
+        state["stop"] = True
+        yield following
+        for _ in range(20):
+            if set(chain) >= set(before):
+                break
+            yield ensureDeferred(sync_round(0))
+        self.assertEqual(sorted(chain), sorted(before), "alice's sync chain missed or repeated a message")
+        yield wait_until(lambda: {e for _, e, _ in from_a(self.b.cluster)} >= set(latest.values()), 120,
+                         "the latest message of every room to reach b.test after the sender restarted")
+
+        on_a, on_b = from_a(self.a.cluster), from_a(self.b.cluster)
+        ids_b = [e for _, e, _ in on_b]
+        self.assertEqual(len(ids_b), len(set(ids_b)), "a message reached b.test twice")
+        for room in rooms:
+            order_a = [e for r, e, _ in on_a if r == room]
+            got = [e for r, e, _ in on_b if r == room]
+            self.assertEqual(got, [e for e in order_a if e in set(got)], f"{room}: b.test's order differs from a.test's")
+        self.assertGreaterEqual(set(flaky.faults), {"500, not forwarded", "slow (1 s)", "forwarded, then 500",
+                                                    "past the request timeout (6 s)"}, flaky.faults)
+        yield self.a.stop()
+        out = os.path.abspath(self.mktemp())
+        code = validate(self.a.cluster.shared["audit"]["dir"], out)
+        self.assertEqual((code, violations(out)), (0, []))
 
 
 class PostgresFederationTest(FederationMixin, TestCase):
