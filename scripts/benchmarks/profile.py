@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from collections import Counter
 from typing import Any
 
@@ -76,6 +77,12 @@ def summarize(path: str, top: int = 25) -> str:
     return "\n".join(out) + "\n"
 
 
+def _py_spy() -> str | None:
+    """py-spy from the running virtualenv, else from PATH."""
+    local = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    return local if os.access(local, os.X_OK) else shutil.which("py-spy")
+
+
 class Profiler:
     """Attaches py-spy to processes for a fixed time; writes raw stacks and summaries."""
 
@@ -85,7 +92,7 @@ class Profiler:
 
     @property
     def enabled(self) -> bool:
-        return bool(self.directory) and shutil.which("py-spy") is not None
+        return bool(self.directory) and _py_spy() is not None
 
     def attach(self, name: str, pid: int, seconds: float) -> None:
         if not self.enabled:
@@ -93,7 +100,7 @@ class Profiler:
         assert self.directory is not None
         os.makedirs(self.directory, exist_ok=True)
         out = os.path.join(self.directory, f"{name}.txt")
-        proc = subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--rate", "200", "--duration", str(int(seconds)),
+        proc = subprocess.Popen([_py_spy() or "py-spy", "record", "--pid", str(pid), "--rate", "200", "--duration", str(int(seconds)),
                                  "--format", "raw", "--nonblocking", "--gil", "-o", out],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.procs.append((proc, out))
