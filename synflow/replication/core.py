@@ -50,6 +50,8 @@ from synflow.replication.commands import (
 
 logger = logging.getLogger(__name__)
 
+_STREAM_COMMANDS: Final = frozenset({RdataCommand, PositionCommand})
+
 #: Send a PING when nothing was sent for this long (seconds).
 PING_INTERVAL_S: Final = 5.0
 #: Once the peer has pinged, close after this long without a line (seconds).
@@ -272,7 +274,7 @@ class ConnectionCore:
         """One line (without its newline) arrived."""
         if self.state is State.CLOSED:
             return []
-        if not line.strip():
+        if not line or line.isspace():
             return []
         self.last_received = now
         try:
@@ -301,7 +303,10 @@ class ConnectionCore:
             return []
         if isinstance(cmd, AuthCommand):
             return []  # a hub without a secret ignores AUTH
-        self.stats.commands_in[cmd.NAME] = self.stats.commands_in.get(cmd.NAME, 0) + 1
+        counts = self.stats.commands_in
+        counts[cmd.NAME] = counts.get(cmd.NAME, 0) + 1
+        if type(cmd) in _STREAM_COMMANDS:
+            return [Deliver(cmd)]  # the bulk of the traffic: nothing for the connection itself to do
         actions: list[Action] = []
         if isinstance(cmd, PingCommand):
             self.received_ping = True

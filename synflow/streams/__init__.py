@@ -65,6 +65,12 @@ class EventsRow:
 
     @classmethod
     def from_wire(cls, row: list[Any]) -> EventsRow:
+        if type(row) is list and len(row) == 6:
+            event_id, room_id, type_, state_key, sender, membership = row
+            if (type(event_id) is str and type(room_id) is str and type(type_) is str and type(sender) is str
+                    and (state_key is None or type(state_key) is str)
+                    and (membership is None or type(membership) is str)):
+                return cls(event_id, room_id, type_, state_key, sender, membership)  # the common, well-formed row
         _need(row, 6, "events")
         return cls(
             _str(row[0], "event_id"), _str(row[1], "room_id"), _str(row[2], "type"),
