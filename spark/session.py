@@ -53,6 +53,11 @@ def get_session(
         spark = builder.getOrCreate()
         spark.sparkContext.setLogLevel("WARN")
     spark.conf.set("spark.sql.session.timeZone", "UTC")
+    # Only the joins the checks mark with an explicit broadcast hint (small per-reader tables) are
+    # broadcast: size estimates of checkpointed and aggregated inputs can be far below their real
+    # size, and an automatic broadcast of one of them exhausts the driver's memory at 10M rows.
+    spark.conf.set("spark.sql.autoBroadcastJoinThreshold", "-1")
+    spark.conf.set("spark.sql.adaptive.autoBroadcastJoinThreshold", "-1")
     if shuffle_partitions:
         spark.conf.set("spark.sql.shuffle.partitions", str(shuffle_partitions))
     return spark

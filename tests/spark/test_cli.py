@@ -63,3 +63,16 @@ class CommandLineTests(TestCase):
             self.assertTrue(os.listdir(os.path.join(out, "jsonl", table)))
         with open(os.path.join(out, "injected.json"), encoding="utf-8") as fh:
             self.assertTrue(json.load(fh)["injected"])
+
+
+class SessionSettingsTests(TestCase):
+    def test_session_broadcasts_only_hinted_joins(self):
+        """The job's session never broadcasts a join on a size estimate (at 10M rows that exhausted the driver)."""
+        from spark.session import get_session
+        from tests.spark._session import spark
+
+        session = get_session(shuffle_partitions=2) if spark() else None
+        assert session is not None
+        self.assertEqual(session.conf.get("spark.sql.autoBroadcastJoinThreshold"), "-1")
+        self.assertEqual(session.conf.get("spark.sql.adaptive.autoBroadcastJoinThreshold"), "-1")
+        self.assertEqual(session.conf.get("spark.sql.session.timeZone"), "UTC")
