@@ -19,6 +19,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import collections
 import glob
 import json
 import os
@@ -107,10 +108,18 @@ def baseline(parquet: str) -> dict:
 def validator(parquet: str, out: str, injected_path: str) -> dict:
     """Time the validator with every check on, and score it against the injected anomalies."""
     t = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "spark.validate_tokens", "--logs", parquet,
-                           "--out", out, "--master", "local[2]", "--output-format", "jsonl"],
-                          cwd=ROOT, env=_env())
+    proc = subprocess.Popen([sys.executable, "-m", "spark.validate_tokens", "--logs", parquet,
+                             "--out", out, "--master", "local[2]", "--output-format", "jsonl"],
+                            cwd=ROOT, env=_env(), stderr=subprocess.PIPE, text=True, errors="replace")
+    tail: collections.deque[str] = collections.deque(maxlen=40)
+    assert proc.stderr is not None
+    for line in proc.stderr:  # progress goes on to our stderr; the tail is kept for a failure
+        sys.stderr.write(line)
+        tail.append(line)
+    proc.wait()
     wall = time.monotonic() - t
+    if proc.returncode not in (0, 1):
+        raise RuntimeError(f"the validator exited with {proc.returncode}:\n{''.join(tail)}")
     with open(os.path.join(out, "summary.json"), encoding="utf-8") as fh:
         summary = json.load(fh)
     got = set()
