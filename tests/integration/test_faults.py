@@ -94,12 +94,21 @@ class FaultMixin:
     timeout = 900
 
     @inlineCallbacks
-    def deployment(self, *, proxy=None, extra_shared=None):
+    def deployment(self, *, proxy=None, extra_shared=None, invalidator=False):
         services.require_java()
         shared = {"replication": {"ping_timeout_s": 3.0, "ping_interval_s": 1.0}}
         if extra_shared:
             shared.update(extra_shared)
-        cluster = Cluster(self, engine=self.engine, transport=self.transport, writers=WRITERS, shared=shared)
+        extra = ()
+        if invalidator:
+            # The shared Redis cache tier, owned by one cache invalidator.
+            services.require_redis()
+            extra = ("cache_invalidator1",)
+            shared["caches"] = {"tier": {"host": services.REDIS_HOST, "port": services.REDIS_PORT,
+                                         "channel_prefix": services.redis_prefix()},
+                                "cache_invalidator_instances": list(extra)}
+        cluster = Cluster(self, engine=self.engine, transport=self.transport, writers=WRITERS, shared=shared,
+                          extra_instances=extra)
         self.client_ports = {"master": free_port(), "persister2": free_port()}
         yield cluster.start_master(listeners=[
             {"resources": ["client"], "endpoint": f"tcp:{self.client_ports['master']}:interface=127.0.0.1"}])
@@ -112,7 +121,9 @@ class FaultMixin:
         cluster.start_twistd("persister1", "event_persister", **p1)
         cluster.start_twistd("persister2", "event_persister", listeners=[
             {"resources": ["client"], "endpoint": f"tcp:{self.client_ports['persister2']}:interface=127.0.0.1"}])
-        for name in WRITERS:
+        for name in extra:
+            cluster.start_twistd(name, "cache_invalidator")
+        for name in (*WRITERS, *extra):
             yield cluster.wait_for_port(cluster.instance_ports[name], name)
         self.urls = [f"http://127.0.0.1:{p}" for p in self.client_ports.values()]
         return cluster
@@ -233,6 +244,20 @@ class PostgresRedisFaultTest(FaultMixin, TestCase):
             redis_command(b"CLIENT KILL TYPE normal SKIPME yes", b"CLIENT KILL TYPE pubsub SKIPME yes",
                           b"CLIENT PAUSE 10000 ALL")
             await sleep(10.5)
+
+        report = yield ensureDeferred(self.traffic(fault))
+        yield self.finish(cluster, report)
+
+    @inlineCallbacks
+    def test_sigkill_cache_invalidator(self):
+        """SIGKILL of the cache invalidator mid-load (PostgreSQL, Redis transport and cache tier), then restart."""
+        cluster = yield self.deployment(invalidator=True)
+
+        async def fault():
+            cluster.kill("cache_invalidator1")
+            await sleep(1.0)
+            cluster.start_twistd("cache_invalidator1", "cache_invalidator")
+            await cluster.wait_for_port(cluster.instance_ports["cache_invalidator1"], "cache_invalidator1")
 
         report = yield ensureDeferred(self.traffic(fault))
         yield self.finish(cluster, report)
