@@ -156,18 +156,23 @@ class FaultMixin:
         self.assertEqual((code, violations(out)), (0, []))
 
     @inlineCallbacks
-    def test_sigkill_persister(self):
-        """SIGKILL of an event persister mid-load, then restart."""
-        cluster = yield self.deployment()
+    def kill_and_restart_under_load(self, cluster: Cluster, name: str, app: str):
+        """SIGKILL ``name`` once a third of the traffic is sent, restart it a second later, and check the run."""
 
         async def fault():
-            cluster.kill("persister1")
+            cluster.kill(name)
             await sleep(1.0)
-            cluster.start_twistd("persister1", "event_persister")
-            await cluster.wait_for_port(cluster.instance_ports["persister1"], "persister1")
+            cluster.start_twistd(name, app)
+            await cluster.wait_for_port(cluster.instance_ports[name], name)
 
         report = yield ensureDeferred(self.traffic(fault))
         yield self.finish(cluster, report)
+
+    @inlineCallbacks
+    def test_sigkill_persister(self):
+        """SIGKILL of an event persister mid-load, then restart."""
+        cluster = yield self.deployment()
+        yield self.kill_and_restart_under_load(cluster, "persister1", "event_persister")
 
     @inlineCallbacks
     def test_sigkill_master(self):
@@ -252,15 +257,7 @@ class PostgresRedisFaultTest(FaultMixin, TestCase):
     def test_sigkill_cache_invalidator(self):
         """SIGKILL of the cache invalidator mid-load (PostgreSQL, Redis transport and cache tier), then restart."""
         cluster = yield self.deployment(invalidator=True)
-
-        async def fault():
-            cluster.kill("cache_invalidator1")
-            await sleep(1.0)
-            cluster.start_twistd("cache_invalidator1", "cache_invalidator")
-            await cluster.wait_for_port(cluster.instance_ports["cache_invalidator1"], "cache_invalidator1")
-
-        report = yield ensureDeferred(self.traffic(fault))
-        yield self.finish(cluster, report)
+        yield self.kill_and_restart_under_load(cluster, "cache_invalidator1", "cache_invalidator")
 
     @inlineCallbacks
     def test_postgres_connections_killed(self):
