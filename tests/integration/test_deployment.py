@@ -78,3 +78,29 @@ class FreshInstallTest(TestCase):
         self.assertEqual(leftovers.strip(), "", "a process survived synflowctl stop")
         for name in PROCESSES:
             self.assertFalse(os.path.exists(os.path.join(deployment, "var", "run", f"{name}.pid")))
+
+
+class EditableInstallTest(TestCase):
+    timeout = 600
+
+    def test_editable_install_lists_plugin(self):
+        """With ``pip install -e .``, twistd (run outside the source tree) lists the synflow plugin."""
+        import json
+        from importlib.metadata import distribution
+
+        direct_url = distribution("synflow").read_text("direct_url.json")
+        editable = bool(direct_url) and json.loads(direct_url).get("dir_info", {}).get("editable", False)
+        bindir = os.path.dirname(sys.executable)
+        if not editable:
+            # This suite runs from a regular install: make an editable one to check.
+            venv = os.path.abspath(self.mktemp())
+            subprocess.run([sys.executable, "-m", "venv", venv], check=True)
+            bindir = os.path.join(venv, "bin")
+            result = subprocess.run([os.path.join(bindir, "pip"), "install", "--quiet", "-e", ROOT],
+                                    capture_output=True, text=True, timeout=500)
+            self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+        elsewhere = os.path.abspath(self.mktemp())
+        os.makedirs(elsewhere)
+        help_text = subprocess.run([os.path.join(bindir, "twistd"), "--help"], capture_output=True, text=True,
+                                   cwd=elsewhere, timeout=120).stdout
+        self.assertIn("synflow", help_text)
