@@ -4,7 +4,8 @@ A delivered event id is matched to the fact of its stream with that event id (th
 lowest stream id if several). A reader's watermark ``WM(j, W)`` is the highest effective
 position for W among its valid tokens up to seq j: a running maximum over the token components.
 ``undelivered`` pairs every completed fact with every reader whose final watermark covers it
-(an equi-join with a small broadcast table), removes the delivered ones with an anti-join, and
+(an equi-join with a small broadcast table), keeps the pairs whose room the reader was ever
+in (:func:`_in_rooms_ever`), removes the delivered ones with an anti-join, and
 finds, for the rest, the first covering token with the ordered as-of of
 :func:`spark.checks_tokens.first_covering` (whose ``rooms`` decide whether the fact was due).
 """
@@ -94,6 +95,25 @@ def delivered_beyond_token(ctx: Context, m: DataFrame) -> DataFrame:
         ": resuming from this token would deliver it again."), claimed_pos="wm")
 
 
+def _in_rooms_ever(ctx: Context, pairs: DataFrame) -> DataFrame:
+    """The (fact, reader) pairs whose room the reader could have been due: a necessary condition.
+
+    A fact is due to a reader only if the covering token's ``rooms`` is null or names the fact's
+    room, so a pair survives if some valid token of the reader has null ``rooms`` or names the
+    room. Both tables are small (distinct room lists, then their rooms), so this cuts the pairs
+    to about the deliveries before the anti-join, and keeps large ``rooms`` lists out of the
+    as-of lookup; the exact per-token test still runs on what is left.
+    """
+    lists = ctx.valid.select("reader", "stream", "rooms").distinct()
+    unfiltered = lists.where(F.col("rooms").isNull()).select("reader", "stream", F.lit(True).alias("_all"))
+    member = (lists.where(F.col("rooms").isNotNull())
+              .select("reader", "stream", F.explode("rooms").alias("room")).distinct()
+              .withColumn("_in", F.lit(True)))
+    return (pairs.join(F.broadcast(unfiltered), ["reader", "stream"], "left")
+            .join(F.broadcast(member), ["reader", "stream", "room"], "left")
+            .where(F.col("_all").isNotNull() | F.col("_in").isNotNull()).drop("_all", "_in"))
+
+
 def undelivered(ctx: Context) -> tuple[DataFrame, DataFrame]:
     """Completed facts covered by a reader's final watermark but never delivered to it.
 
@@ -105,7 +125,7 @@ def undelivered(ctx: Context) -> tuple[DataFrame, DataFrame]:
     done = ctx.facts.where(F.col("ev").isNotNull() & F.col("rel").isNotNull() & ~F.col("aborted"))
     pairs = done.join(F.broadcast(final), ["stream", "writer"])
     pending = pairs.where(F.col("sid") > F.col("wm")).agg(F.count(F.lit(1)).alias("pending"))
-    due = pairs.where(F.col("sid") <= F.col("wm")).join(
+    due = _in_rooms_ever(ctx, pairs.where(F.col("sid") <= F.col("wm"))).join(
         ctx.deliveries.select("reader", "stream", F.col("event_id").alias("ev")),
         ["reader", "stream", "ev"], "left_anti").drop("wm")
     recs = records(ctx.comps.join(ctx.valid.select("reader", "stream", "seq", "rooms"),

@@ -244,17 +244,23 @@ class Cluster:
     @inlineCallbacks
     def start_master(self, **extra: Any):
         """Start the master and wait until its hub (or internal listener) answers."""
+        # The log file is appended to across restarts: look only at what this start writes.
+        path = self.log_path("master")
+        offset = os.path.getsize(path) if os.path.exists(path) else 0
         self.start_twistd("master", "master", **extra)
-        port = self.hub_port if self.transport == "tcp" else self.instance_ports["master"]
         if self.transport == "tcp":
-            yield self.wait_for_port(port, "master")
+            yield self.wait_for_port(self.hub_port, "master")
         else:
-            yield wait_until(lambda: self._log_has("master", "started"), 60, "master to start")
+            yield wait_until(lambda: self._log_has("master", "started", offset), 60, "master to start")
 
-    def _log_has(self, name: str, text: str) -> bool:
+    def _log_has(self, name: str, text: str, offset: int = 0) -> bool:
         self.check_alive(name)
         path = self.log_path(name)
-        return os.path.exists(path) and text in open(path, encoding="utf-8", errors="replace").read()
+        if not os.path.exists(path):
+            return False
+        with open(path, encoding="utf-8", errors="replace") as f:
+            f.seek(offset)
+            return text in f.read()
 
     def signal(self, name: str, sig: int) -> None:
         proc = self.procs.get(name)
