@@ -142,7 +142,7 @@ class Cluster:
             "audit": {"dir": os.path.join(self.dir, "var", "audit")},
         }
         if shared:
-            _deep_update(self.shared, shared)
+            deep_update(self.shared, shared)
         os.makedirs(self.shared["data_dir"], exist_ok=True)
         self.shared_path = self.write("shared.yaml", self.shared)
         testcase.addCleanup(self.kill_all)
@@ -297,10 +297,11 @@ class Cluster:
                 proc.wait(5)
 
 
-def _deep_update(into: dict, data: dict) -> None:
+def deep_update(into: dict, data: dict) -> None:
+    """Merge ``data`` into ``into``, recursing into nested dicts (later values win)."""
     for k, v in data.items():
         if isinstance(v, dict) and isinstance(into.get(k), dict):
-            _deep_update(into[k], v)
+            deep_update(into[k], v)
         else:
             into[k] = v
 

@@ -181,3 +181,51 @@ def java_home() -> str | None:
     """The JAVA_HOME of the newest installed JDK, if one is found."""
     candidates = sorted(glob.glob("/usr/lib/jvm/java-*-openjdk-*"))
     return candidates[-1] if candidates else None
+
+
+class PrivateRedis:
+    """A redis-server of the test's own, on a loopback port, that the test may stop and restart.
+
+    ``start()`` launches it (again on the same port after ``stop()``); ``up()`` tells whether it
+    accepts connections, for polling with ``tests.cluster.wait_until``. Nothing is kept on disk.
+    The server is stopped by the cleanup the constructor registers.
+
+    Args:
+        testcase: the trial test (for mktemp and cleanups).
+        port: the port to listen on.
+        args: further ``redis-server`` arguments (e.g. ``["--requirepass", "s3cret"]``).
+    """
+
+    def __init__(self, testcase, port: int, args: tuple[str, ...] = ()) -> None:
+        require_redis()
+        if not shutil.which("redis-server"):
+            unavailable("redis-server is not installed, so the test cannot run a Redis of its own")
+        self.port = port
+        self.args = args
+        self.dir = os.path.abspath(testcase.mktemp())
+        os.makedirs(self.dir)
+        self.proc: subprocess.Popen | None = None
+        testcase.addCleanup(self.stop)
+
+    def start(self) -> None:
+        """Start the server (non-blocking; poll ``up()``)."""
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", self.dir, *self.args],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+
+    def up(self) -> bool:
+        """True when the server accepts connections."""
+        return self.proc is not None and self.proc.poll() is None and _port_open("127.0.0.1", self.port, 0.2)
+
+    def stop(self) -> None:
+        """Stop the server (SIGTERM, then SIGKILL after 10 s); every client connection drops."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.proc = None

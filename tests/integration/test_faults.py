@@ -19,7 +19,7 @@ from twisted.trial.unittest import TestCase
 
 from synflow.tools.workload import Workload
 from tests import services
-from tests.cluster import Cluster, free_port, sleep
+from tests.cluster import Cluster, deep_update, free_port, sleep, wait_until
 from tests.spark._session import validate, violations
 
 WRITERS = ("persister1", "persister2")
@@ -98,7 +98,7 @@ class FaultMixin:
         services.require_java()
         shared = {"replication": {"ping_timeout_s": 3.0, "ping_interval_s": 1.0}}
         if extra_shared:
-            shared.update(extra_shared)
+            deep_update(shared, extra_shared)
         extra = ()
         if invalidator:
             # The shared Redis cache tier, owned by one cache invalidator.
@@ -239,7 +239,29 @@ class PostgresRedisFaultTest(FaultMixin, TestCase):
 
     @inlineCallbacks
     def test_redis_stopped_and_restarted(self):
-        """Every Redis connection is killed and refused for 10 s (the transport's outage), then comes back."""
+        """The deployment's own redis-server is stopped mid-load for 10 s, then started again on its port."""
+        redis = services.PrivateRedis(self, free_port())
+        redis.start()
+        yield wait_until(redis.up, 20, "the deployment's redis-server")
+        cluster = yield self.deployment(extra_shared={"replication": {"redis": {"port": redis.port}}})
+
+        async def fault():
+            redis.stop()  # every connection drops; reconnects are refused until it is back
+            await sleep(10.0)
+            redis.start()
+            await wait_until(redis.up, 20, "the restarted redis-server")
+
+        report = yield ensureDeferred(self.traffic(fault))
+        for name in ("master", *WRITERS):
+            # Each process saw the outage and subscribed again afterwards.
+            log = cluster.log_tail(name, 500_000)
+            self.assertIn("Redis connection (channel", log, name)
+            self.assertGreaterEqual(log.count("subscribed to Redis channel"), 2, name)
+        yield self.finish(cluster, report)
+
+    @inlineCallbacks
+    def test_redis_clients_killed_and_paused(self):
+        """Every Redis connection is killed and every command held for 10 s (an unresponsive Redis)."""
         from tests.integration.test_multiwriter import redis_command
 
         cluster = yield self.deployment()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 
 from twisted.internet import reactor
@@ -21,32 +20,11 @@ class RedisPasswordTest(TestCase):
     timeout = 120
 
     def setUp(self):
-        services.require_redis()
-        if not shutil.which("redis-server"):
-            services.unavailable("redis-server is not installed, so no password-protected Redis can be started")
-        self.dir = os.path.abspath(self.mktemp())
-        os.makedirs(self.dir)
-        self.port = free_port()
-        self.redis = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--requirepass", "s3cret",
-             "--save", "", "--appendonly", "no", "--dir", self.dir],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        self.addCleanup(self._stop_redis)
-        return wait_until(self._redis_up, 20, "the password-protected redis-server")
-
-    def _stop_redis(self):
-        self.redis.terminate()
-        self.redis.wait(10)
-
-    def _redis_up(self):
-        import socket
-
-        try:
-            socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-            return True
-        except OSError:
-            return False
+        self.redis = services.PrivateRedis(self, free_port(), ("--requirepass", "s3cret"))
+        self.port = self.redis.port
+        self.dir = self.redis.dir
+        self.redis.start()
+        return wait_until(self.redis.up, 20, "the password-protected redis-server")
 
     def _config(self, password):
         path = os.path.join(self.dir, f"master-{password}.yaml")
