@@ -107,11 +107,7 @@ class AgreementTests(TestCase):
         """On 15 hypothesis-drawn histories validated in one Spark job, every violation key agrees."""
         spark()
         writers, tokens = to_rows(draw_histories(15))
-        logs, out = self.mktemp(), self.mktemp()
-        for name, rows in (("writer_logs", writers), ("token_logs", tokens), ("instance_map", INSTANCES)):
-            os.makedirs(os.path.join(logs, name))
-            with open(os.path.join(logs, name, "part-0.jsonl"), "w", encoding="utf-8") as fh:
-                fh.writelines(json.dumps(r) + "\n" for r in rows)
+        logs, out = self._write_logs(writers, tokens), self.mktemp()
         code = validate(logs, out, "--bucket-s", "7", "--fail-on", "never")
         self.assertEqual(code, 0, summary(out).get("error"))
         expected = reference.check(writers, tokens, INSTANCES)
@@ -119,3 +115,29 @@ class AgreementTests(TestCase):
         self.assertEqual(sorted(got - expected.keys()), [], "reported by Spark only")
         self.assertEqual(sorted(expected.keys() - got), [], "reported by the reference only")
         self.assertEqual(summary(out)["pending"], expected.pending)
+        # The histories do exercise the check (some undelivered facts are expected).
+        self.assertTrue(any(k[0] == "undelivered" for k in expected.keys()), sorted(expected.keys())[:5])
+
+    def test_duplicate_delivery_does_not_hide_an_undelivered_fact(self):
+        """One fact delivered twice and its neighbour never: both the duplicate and the loss are reported."""
+        spark()
+        writers = [{"stream": "s", "writer": "w1", "stream_id": sid, "room_id": "!r", "event_id": ev,
+                    "reserved_at": T + sid, "completed_at": T + sid + 1, "outcome": "ok"}
+                   for sid, ev in ((1, "$a"), (2, "$b"))]
+        tokens = [{"reader": "r", "stream": "s", "seq": seq, "token": "s2", "issued_at": T + UNIT,
+                   "delivered": ["$a"]} for seq in (1, 2)]
+        logs, out = self._write_logs(writers, tokens), self.mktemp()
+        self.assertEqual(validate(logs, out, "--fail-on", "never"), 0, summary(out).get("error"))
+        got = sorted((r["check"], r["event_id"]) for r in violations(out))
+        self.assertEqual(got, [("duplicate_delivery", "$a"), ("undelivered", "$b")])
+        expected = reference.check(writers, tokens, INSTANCES)
+        self.assertEqual({violation_key(r["check"], r) for r in violations(out)}, set(expected.keys()))
+
+    def _write_logs(self, writers: list, tokens: list) -> str:
+        """Write the rows as JSONL audit logs (with the instance map); return the directory."""
+        logs = self.mktemp()
+        for name, rows in (("writer_logs", writers), ("token_logs", tokens), ("instance_map", INSTANCES)):
+            os.makedirs(os.path.join(logs, name))
+            with open(os.path.join(logs, name, "part-0.jsonl"), "w", encoding="utf-8") as fh:
+                fh.writelines(json.dumps(r) + "\n" for r in rows)
+        return logs
