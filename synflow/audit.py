@@ -183,17 +183,21 @@ class AuditLog:
             self._writer.flush()
 
     def last_audited(self, stream: str) -> int:
-        """The highest stream ID of ``stream`` this writer's log records (0 if none).
+        """The highest stream ID of ``stream`` this writer's log records (0 if none)."""
+        return self.audited_high_water(stream)[0]
 
-        Reads the two newest part files: IDs only grow, so older files hold
-        lower ones.
+    def audited_high_water(self, stream: str) -> tuple[int, int]:
+        """The highest stream ID and the latest ``reserved_at`` of ``stream`` in this writer's log.
+
+        Both are 0 if the log records none. Reads the two newest part files: IDs
+        and reservation times only grow, so older files hold lower ones.
         """
         directory = self._writer.directory
         if not os.path.isdir(directory):
-            return 0
+            return 0, 0
         parts = sorted((os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(".jsonl")),
                        key=os.path.getmtime)[-2:]
-        top = 0
+        top = latest = 0
         for path in parts:
             with open(path, encoding="utf-8") as f:
                 for line in f:
@@ -202,8 +206,9 @@ class AuditLog:
                     except ValueError:
                         continue  # a line cut short by a crash
                     if record.get("kind") is None and record.get("stream") == stream:
-                        top = max(top, int(record.get("stream_id", 0)))
-        return top
+                        top = max(top, int(record.get("stream_id") or 0))
+                        latest = max(latest, int(record.get("reserved_at") or 0))
+        return top, latest
 
     def instances(self, mapping: Mapping[int, str]) -> None:
         """Record instance IDs this process knows (rewritten when it grows)."""

@@ -159,16 +159,21 @@ async def recover_audit(db: Any, audit: AuditLog, instance_name: str) -> int:
 
     A crash between a commit and the audit write loses those records; the
     events themselves are in the database. They are recorded with the time
-    they were persisted (slightly before their commit). Returns how many.
+    the event was received (before its commit), but never earlier than the
+    latest reservation already in the log: their IDs are higher, so they were
+    reserved after it (a received time can precede a concurrent request's
+    reservation, and ``received_ts`` has only millisecond precision). Both
+    recorded times stay at or before the real ones. Returns how many.
     """
     if not audit.enabled:
         return 0
-    after = audit.last_audited("events")
+    after, latest_reserved = audit.audited_high_water("events")
     rows = await db.run_interaction("unaudited_events", unaudited_events_txn, instance_name, after,
                                     read_only=True, idempotent=True)
     for stream_id, room_id, event_id, ts_ms in rows:
-        audit.fact("events", stream_id, room_id=room_id, event_id=event_id, reserved_at=ts_ms * 1000,
-                   completed_at=ts_ms * 1000, ok=True)
+        at = max(ts_ms * 1000, latest_reserved)
+        audit.fact("events", stream_id, room_id=room_id, event_id=event_id, reserved_at=at,
+                   completed_at=at, ok=True)
     if rows:
         audit.flush_facts()
         logger.warning("re-recorded %d committed events missing from the audit log (after a crash)", len(rows))
