@@ -160,18 +160,20 @@ async def recover_audit(db: Any, audit: AuditLog, instance_name: str) -> int:
     A crash between a commit and the audit write loses those records; the
     events themselves are in the database. They are recorded with the time
     the event was received (before its commit), but never earlier than the
-    latest reservation already in the log: their IDs are higher, so they were
-    reserved after it (a received time can precede a concurrent request's
-    reservation, and ``received_ts`` has only millisecond precision). Both
-    recorded times stay at or before the real ones. Returns how many.
+    latest reservation already in the log or a lower recovered ID's recorded
+    time: IDs are reserved in order, so a higher ID was reserved after every
+    lower one (a received time can precede a concurrent request's reservation,
+    and ``received_ts`` has only millisecond precision). Both recorded times
+    stay at or before the real ones. Returns how many.
     """
     if not audit.enabled:
         return 0
     after, latest_reserved = audit.audited_high_water("events")
     rows = await db.run_interaction("unaudited_events", unaudited_events_txn, instance_name, after,
                                     read_only=True, idempotent=True)
-    for stream_id, room_id, event_id, ts_ms in rows:
-        at = max(ts_ms * 1000, latest_reserved)
+    at = latest_reserved
+    for stream_id, room_id, event_id, ts_ms in rows:  # in stream ID order
+        at = max(ts_ms * 1000, at)
         audit.fact("events", stream_id, room_id=room_id, event_id=event_id, reserved_at=at,
                    completed_at=at, ok=True)
     if rows:

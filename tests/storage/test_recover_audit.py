@@ -42,20 +42,23 @@ class RecoverAuditTest(TestCase):
         await db.run_interaction("insert", _insert_event_txn, 319, "$319", RESERVED_319 // 1000)
         await db.run_interaction("insert", _insert_event_txn, 322, "$322", RESERVED_319 // 1000 - 2)
         await db.run_interaction("insert", _insert_event_txn, 323, "$323", RESERVED_319 // 1000 + 5)
+        # 324's request arrived before 323's (it was reserved after it all the same).
+        await db.run_interaction("insert", _insert_event_txn, 324, "$324", RESERVED_319 // 1000 + 4)
 
-        self.assertEqual(await recover_audit(db, audit, WRITER), 2)
+        self.assertEqual(await recover_audit(db, audit, WRITER), 3)
 
         records = {}
         for path in glob.glob(os.path.join(directory, "writer_logs", WRITER, "*.jsonl")):
             with open(path, encoding="utf-8") as f:
                 records.update((r["stream_id"], r) for r in map(json.loads, f) if r.get("kind") is None)
-        self.assertEqual(sorted(records), [319, 322, 323])
+        self.assertEqual(sorted(records), [319, 322, 323, 324])
         # 322 is recorded no earlier than 319's reservation (IDs and reservations grow together) ...
         self.assertEqual(records[322]["reserved_at"], RESERVED_319)
         self.assertEqual(records[322]["completed_at"], RESERVED_319)
-        # ... and 323 keeps its own, later, received time.
+        # ... 323 keeps its own, later, received time, and 324 is not recorded before 323.
         self.assertEqual(records[323]["reserved_at"], (RESERVED_319 // 1000 + 5) * 1000)
+        self.assertEqual(records[324]["reserved_at"], records[323]["reserved_at"])
         by_time = sorted(records.values(), key=lambda r: (r["reserved_at"], r["stream_id"]))
-        self.assertEqual([r["stream_id"] for r in by_time], [319, 322, 323])
+        self.assertEqual([r["stream_id"] for r in by_time], [319, 322, 323, 324])
         # Nothing is recorded twice on a second start-up.
         self.assertEqual(await recover_audit(db, audit, WRITER), 0)
