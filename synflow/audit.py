@@ -182,10 +182,6 @@ class AuditLog:
         if self.enabled:
             self._writer.flush()
 
-    def last_audited(self, stream: str) -> int:
-        """The highest stream ID of ``stream`` this writer's log records (0 if none)."""
-        return self.audited_high_water(stream)[0]
-
     def audited_high_water(self, stream: str) -> tuple[int, int]:
         """The highest stream ID and the latest ``reserved_at`` of ``stream`` in this writer's log.
 

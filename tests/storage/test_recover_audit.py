@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import glob
-import json
 import os
 
 from twisted.internet import reactor
@@ -11,6 +10,7 @@ from twisted.trial.unittest import TestCase
 
 from synflow.audit import AuditLog
 from synflow.storage.id_generators import recover_audit
+from tests.cluster import read_jsonl
 from tests.dbutil import make_database
 
 WRITER = "persister1"
@@ -47,10 +47,9 @@ class RecoverAuditTest(TestCase):
 
         self.assertEqual(await recover_audit(db, audit, WRITER), 3)
 
-        records = {}
-        for path in glob.glob(os.path.join(directory, "writer_logs", WRITER, "*.jsonl")):
-            with open(path, encoding="utf-8") as f:
-                records.update((r["stream_id"], r) for r in map(json.loads, f) if r.get("kind") is None)
+        records = {r["stream_id"]: r
+                   for path in glob.glob(os.path.join(directory, "writer_logs", WRITER, "*.jsonl"))
+                   for r in read_jsonl(path) if r.get("kind") is None}
         self.assertEqual(sorted(records), [319, 322, 323, 324])
         # 322 is recorded no earlier than 319's reservation (IDs and reservations grow together) ...
         self.assertEqual(records[322]["reserved_at"], RESERVED_319)
