@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -24,6 +24,7 @@ from twisted.internet import reactor
 from twisted.internet.defer import DeferredSemaphore, ensureDeferred, gatherResults
 from twisted.internet.task import deferLater
 
+from synflow.sharding import shard_for
 from synflow.tools.client import ApiError, Client, new_pool
 
 
@@ -93,12 +94,18 @@ class Workload:
         seed: makes the workload reproducible.
         progress: called as ``progress(done, total)`` while sending.
         name_prefix: distinguishes users of several workloads on one server.
+        room_shards: when given, the event persisters of the first server (its
+            ``stream_writers.events`` list); the rooms that carry traffic are then
+            spread evenly over them, so that uniform traffic over the rooms is
+            uniform over the persisters. Rooms created beyond a full shard's share
+            are left without traffic.
     """
 
     def __init__(self, urls: list[str] | dict[str, list[str]], *, users: int = 20, rooms: int = 40,
                  members_per_room: int = 4, messages: int = 1000, concurrency: int = 16, seed: int = 1,
                  progress: Callable[[int, int], None] | None = None, name_prefix: str = "u",
-                 sync_timeout_ms: int = 2000, remote_members: int = 1) -> None:
+                 sync_timeout_ms: int = 2000, remote_members: int = 1,
+                 room_shards: Sequence[str] | None = None) -> None:
         # One server (a list of its client URLs) or several ({server_name: urls}):
         # rooms are created on the first server and shared with the others.
         self.servers = urls if isinstance(urls, dict) else {"": list(urls)}
@@ -113,6 +120,7 @@ class Workload:
         self.progress = progress
         self.name_prefix = name_prefix
         self.sync_timeout_ms = sync_timeout_ms
+        self.room_shards = list(room_shards) if room_shards else None
         self.pool = new_pool()
         self.users: list[UserState] = []
         self.rooms: dict[str, list[UserState]] = {}
@@ -144,11 +152,23 @@ class Workload:
         ])
         home = [u for u in self.users if u.server == names[0]]
         remote = [u for u in self.users if u.server != names[0]]
-        for _ in range(self.n_rooms):
+        per_shard: dict[str, int] = {}
+        quota = -(-self.n_rooms // len(self.room_shards)) if self.room_shards else self.n_rooms
+        created = 0
+        while len(self.rooms) < self.n_rooms:
+            if created >= 4 * self.n_rooms:
+                raise RuntimeError(f"{created} rooms created but only {per_shard} fall to {self.room_shards}: "
+                                   "the room IDs do not spread over the persisters")
+            created += 1
             members = self.rng.sample(home, min(self.members_per_room, len(home)))
             if remote:
                 members += self.rng.sample(remote, min(self.remote_members, len(remote)))
             room_id = await members[0].client.at(self.url(names[0])).create_room()
+            if self.room_shards:
+                shard = shard_for(room_id, self.room_shards)
+                if per_shard.get(shard, 0) >= quota:
+                    continue
+                per_shard[shard] = per_shard.get(shard, 0) + 1
             self.rooms[room_id] = members
             self.sent[room_id] = []
             for member in members:

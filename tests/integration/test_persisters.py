@@ -58,7 +58,8 @@ class PersisterMixin:
     def test_sync_chains_get_every_event_once(self):
         """Users in 200 rooms send through two processes; every sync chain gets each message once, in room order."""
         cluster = yield self.start()
-        workload = Workload(self.urls, users=50, rooms=200, members_per_room=4, messages=2000, concurrency=24, seed=7)
+        workload = Workload(self.urls, users=50, rooms=200, members_per_room=4, messages=2000, concurrency=24, seed=7,
+                            room_shards=WRITERS)
         self.addCleanup(lambda: ensureDeferred(workload.close()))
         yield ensureDeferred(workload.setup())
         chains = ensureDeferred(workload.sync_chains())
@@ -72,7 +73,8 @@ class PersisterMixin:
         self.assertEqual((report.lost, report.duplicated, report.order_mismatches, report.foreign), (0, 0, 0, 0),
                          report.as_dict())
         self.assertGreater(report.sync_requests, 100)
-        # Each room's events were written by its owner only, and load is balanced.
+        # Each room's events were written by its owner only, and with the rooms
+        # spread evenly over the persisters, so is the load.
         by_writer = events_by_writer(cluster)
         for writer, events in by_writer.items():
             for room, _ in events:
