@@ -324,6 +324,50 @@ class CongestionTest(SynchronousTestCase):
         self.assertTrue(transport.disconnecting)
         self.assertEqual(proto.core.pending_commands, 0)
 
+    def _row(self, token: int) -> RdataCommand:
+        return RdataCommand("events", "w1", token, [token])
+
+    def test_high_water_bytes_edge(self):
+        """Rows fold once the queued bytes reach the byte high-water mark, and not one line earlier."""
+        line = len(b"RDATA events w1 10 [10]")
+        for mark, queued_rows in ((3 * line, 3), (3 * line + 1, 4)):
+            clock = _clock()
+            proto, transport, _ = _server(clock, high_water=1000, hard_limit=2000, high_water_bytes=mark)
+            transport.clear()
+            proto.pauseProducing()
+            for token in range(10, 10 + queued_rows):
+                proto.send_command(self._row(token))
+            self.assertFalse(proto.core.congested, f"mark {mark}")
+            self.assertEqual(proto.core.pending_bytes, queued_rows * line)
+            last = 10 + queued_rows
+            proto.send_command(self._row(last))
+            proto.send_command(self._row(last + 1))
+            self.assertTrue(proto.core.congested, f"mark {mark}")
+            self.assertEqual(proto.core.pending_commands, queued_rows + 1)
+            self.assertEqual(proto.core.pending_bytes, queued_rows * line)
+            proto.resumeProducing()
+            self.assertEqual(
+                sent_lines(transport),
+                [f"RDATA events w1 {t} [{t}]" for t in range(10, last)] + [f"POSITION events w1 {last + 1} {last + 1}"],
+            )
+            self.assertFalse(transport.disconnecting)
+
+    def test_hard_limit_bytes_edge(self):
+        """Queued bytes may reach the byte hard limit exactly; one byte more sends ERROR Failed to keep up and closes."""
+        clock = _clock()
+        proto, transport, _ = _server(clock, high_water=1000, hard_limit=2000, hard_limit_bytes=30)
+        transport.clear()
+        proto.pauseProducing()
+        for i in range(3):
+            proto.send_command(PingCommand(f"{i}xxxx"))  # "PING 0xxxx": 10 bytes
+        self.assertEqual(proto.core.pending_bytes, 30)
+        self.assertFalse(transport.disconnecting)
+        self.assertEqual(transport.value(), b"")
+        proto.send_command(PingCommand("3"))
+        self.assertEqual(sent_lines(transport), ["ERROR Failed to keep up"])
+        self.assertTrue(transport.disconnecting)
+        self.assertEqual((proto.core.pending_commands, proto.core.pending_bytes), (0, 0))
+
     def test_resume_drains_in_steps(self):
         """A write that pauses the producer mid-drain stops the drain; the rest waits."""
 
