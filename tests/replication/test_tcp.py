@@ -1,22 +1,94 @@
-"""The TCP hub over real loopback sockets, started through the plugin's service."""
+"""The TCP hub: which commands it relays, and the hub over real loopback sockets.
+
+The relay list is pinned in memory (the real hub and adapters on
+StringTransport); the rest runs the master started through the plugin's
+service, with raw TCP clients and reconnecting workers.
+"""
 
 from __future__ import annotations
 
 import os
 import random
+import re
 
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
 from twisted.internet.protocol import Protocol
-from twisted.trial.unittest import TestCase
+from twisted.internet.task import Clock
+from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from synflow.app.build import build_service
 from synflow.backoff import Backoff
 from synflow.config import load_config
 from synflow.replication.client import ReplicationClientService
-from synflow.replication.commands import RdataCommand
-from synflow.testing import RecordingReceiver
+from synflow.replication.commands import (
+    COMMANDS,
+    AuthCommand,
+    RdataCommand,
+    Side,
+    may_send,
+    parse_line,
+)
+from synflow.replication.core import ConnectionCore
+from synflow.replication.hub import ReplicationHub
+from synflow.replication.protocol import ReplicationProtocol
+from synflow.testing import RecordingReceiver, attach, sent_lines
+
+PROTOCOL_DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "protocol.md")
+
+#: What the hub forwards to the other connections: the stream commands, so
+#: writers on different workers see each other; REPLICATE, so every writer
+#: answers it; REMOTE_SERVER_UP, which every federation sender needs. The rest
+#: is per-connection (NAME, PING, ERROR, AUTH) or for the master alone
+#: (USER_SYNC, CLEAR_USER_SYNC, FEDERATION_ACK), as in Synapse.
+HUB_RELAYS = {"RDATA", "POSITION", "REPLICATE", "REMOTE_SERVER_UP"}
+
+
+def _docstring_sample(name: str) -> str:
+    match = re.search(r"Example: ``(.+?)``", COMMANDS[name].__doc__ or "")
+    assert match is not None, name
+    return match.group(1)
+
+
+class HubRelayListTest(SynchronousTestCase):
+    def _hub(self):
+        handler = RecordingReceiver()
+        hub = ReplicationHub(handler)
+        clock = Clock()
+        conns = []
+        for _ in range(2):
+            proto = ReplicationProtocol(ConnectionCore(Side.SERVER, server_name="tcp.test"), hub, clock)
+            transport = attach(proto)
+            transport.clear()
+            conns.append((proto, transport))
+        return hub, handler, conns
+
+    def test_hub_relays_exactly_the_pinned_commands(self):
+        """Of every command a client may send, the hub relays exactly RDATA, POSITION, REPLICATE and REMOTE_SERVER_UP, and hands all to the master."""
+        relayed = set()
+        for name, cls in COMMANDS.items():
+            if not may_send(cls, Side.CLIENT):
+                continue
+            hub, handler, ((a, a_transport), (b, b_transport)) = self._hub()
+            sample = _docstring_sample(name)
+            b.dataReceived(sample.encode() + b"\n")
+            self.assertFalse(b_transport.disconnecting, name)
+            lines = sent_lines(a_transport)
+            if lines:
+                self.assertEqual([parse_line(line) for line in lines], [parse_line(sample)], name)
+                relayed.add(name)
+            self.assertEqual(sent_lines(b_transport), [], f"{name} was echoed to its sender")
+            if cls is not AuthCommand:  # a hub without a secret accepts and drops AUTH
+                self.assertEqual(handler.received(), [parse_line(sample)], f"{name} not handled by the master")
+        self.assertEqual(relayed, HUB_RELAYS)
+
+    def test_protocol_doc_lists_the_relayed_commands(self):
+        """The command table of docs/protocol.md marks exactly the commands the hub relays."""
+        with open(PROTOCOL_DOC, encoding="utf-8") as f:
+            rows = re.findall(r"^\| `([A-Z_]+)` \|.*\| (yes|no) \|$", f.read(), re.M)
+        self.assertEqual({name for name, _ in rows}, set(COMMANDS))
+        self.assertEqual({name for name, relayed in rows if relayed == "yes"}, HUB_RELAYS)
 
 
 class LineCollector(Protocol):
@@ -112,6 +184,22 @@ class HubOverTcpTest(TestCase):
             yield _sleep(0.02)
         self.assertIn("POSITION events good 1 2", other.lines)
         self.assertFalse(good.closed.called)
+
+    @inlineCallbacks
+    def test_replicate_is_relayed(self):
+        """A REPLICATE sent by one raw client reaches another raw client through the hub."""
+        a = yield self._raw()
+        b = yield self._raw()
+        yield a.wait_lines(2)
+        yield b.wait_lines(2)
+        a.transport.write(b"NAME a\n")
+        b.transport.write(b"NAME b\nREPLICATE\n")
+        for _ in range(100):
+            if "REPLICATE " in a.lines:
+                break
+            yield _sleep(0.02)
+        self.assertIn("REPLICATE ", a.lines)
+        self.assertNotIn("REPLICATE ", b.lines, "the hub echoed REPLICATE to its sender")
 
     @inlineCallbacks
     def test_two_clients_see_each_others_rdata(self):
