@@ -3,7 +3,7 @@
 
 trial's own summary (``PASSED (successes=N)``) is printed as usual; after it
 this wrapper prints ``N passed, N failed, N skipped`` and exits non-zero if
-anything failed or if no test ran at all.
+anything failed, if trial printed no summary, or if no test ran at all.
 
 Usage: python scripts/run_tests.py [trial options] [test modules...]
 """
@@ -14,8 +14,43 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterable
 
-SUMMARY = re.compile(r"^(PASSED|FAILED) \((.*)\)\s*$")
+#: trial's closing line: ``PASSED (successes=3, skips=1)``, or a bare ``PASSED`` when nothing ran.
+SUMMARY = re.compile(r"^(PASSED|FAILED)(?: \((.*)\))?\s*$")
+
+
+def summarize(output: Iterable[str], returncode: int) -> tuple[list[str], int]:
+    """Read trial's output and decide the closing lines and the exit code.
+
+    Args:
+        output: trial's output lines (stdout and stderr together).
+        returncode: trial's exit code.
+
+    Returns:
+        The lines to print last (the final one is ``N passed, N failed,
+        N skipped``) and the exit code: 0 only if trial exited 0, at least
+        one test passed, and none failed.
+    """
+    summary = None
+    for line in output:
+        match = SUMMARY.match(line.strip())
+        if match:
+            summary = match
+    if summary is None:
+        return [f"trial printed no summary (exit code {returncode})", "0 passed, 1 failed"], 1
+    counts: dict[str, int] = {}
+    for part in (summary.group(2) or "").split(","):
+        if "=" in part:
+            key, _, value = part.strip().partition("=")
+            counts[key] = int(value)
+    passed = counts.get("successes", 0) + counts.get("expectedFailures", 0)
+    failed = counts.get("failures", 0) + counts.get("errors", 0) + counts.get("unexpectedSuccesses", 0)
+    skipped = counts.get("skips", 0)
+    lines = [f"{passed} passed, {failed} failed, {skipped} skipped"]
+    if passed + failed == 0:
+        return ["no test ran", *lines], 1
+    return lines, 0 if failed == 0 and returncode == 0 and summary.group(1) == "PASSED" else 1
 
 
 def main(argv: list[str]) -> int:
@@ -23,30 +58,17 @@ def main(argv: list[str]) -> int:
     cmd = [sys.executable, "-m", "twisted.trial", "--temp-directory", os.environ.get("SYNFLOW_TRIAL_TEMP", "_trial_temp"), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     assert proc.stdout is not None
-    summary = None
+    seen: list[str] = []
     for line in proc.stdout:
         sys.stdout.write(line)
         sys.stdout.flush()
-        match = SUMMARY.match(line.strip())
-        if match:
-            summary = match
+        if SUMMARY.match(line.strip()):
+            seen.append(line)
     rc = proc.wait()
-    if summary is None:
-        print(f"trial printed no summary (exit code {rc})")
-        print("0 passed, 1 failed")
-        return 1
-    counts = {}
-    for part in summary.group(2).split(","):
-        if "=" in part:
-            key, _, value = part.strip().partition("=")
-            counts[key] = int(value)
-    passed = counts.get("successes", 0) + counts.get("expectedFailures", 0)
-    failed = counts.get("failures", 0) + counts.get("errors", 0) + counts.get("unexpectedSuccesses", 0)
-    skipped = counts.get("skips", 0)
-    print(f"{passed} passed, {failed} failed, {skipped} skipped")
-    if passed + failed == 0:
-        return 1
-    return 0 if failed == 0 and rc == 0 else 1
+    closing, code = summarize(seen, rc)
+    for line in closing:
+        print(line)
+    return code
 
 
 if __name__ == "__main__":

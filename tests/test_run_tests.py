@@ -1,0 +1,64 @@
+"""scripts/run_tests.py: the closing line and exit code it derives from trial's output."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from twisted.trial.unittest import SynchronousTestCase
+
+_PATH = os.path.join(os.path.dirname(__file__), "..", "scripts", "run_tests.py")
+_spec = importlib.util.spec_from_file_location("synflow_run_tests", _PATH)
+assert _spec is not None and _spec.loader is not None
+run_tests = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(run_tests)
+
+
+def _output(*tail: str) -> list[str]:
+    """trial-like output ending with the given lines."""
+    return ["tests.test_x", "  XTest", "    test_a ...   [OK]", "", "-" * 79, "Ran 3 tests in 0.1s", "", *tail]
+
+
+class SummarizeTest(SynchronousTestCase):
+    def test_all_passed(self):
+        """A passing run with skips and expected failures reports them and exits 0."""
+        lines, code = run_tests.summarize(_output("PASSED (skips=2, expectedFailures=1, successes=40)\n"), 0)
+        self.assertEqual(lines, ["41 passed, 0 failed, 2 skipped"])
+        self.assertEqual(code, 0)
+
+    def test_failures_and_errors(self):
+        """Failures, errors and unexpected successes all count as failed and exit non-zero."""
+        lines, code = run_tests.summarize(
+            _output("FAILED (failures=2, errors=1, unexpectedSuccesses=1, successes=7)"), 1
+        )
+        self.assertEqual(lines, ["7 passed, 4 failed, 0 skipped"])
+        self.assertEqual(code, 1)
+
+    def test_no_test_ran(self):
+        """trial's bare PASSED after running nothing exits non-zero, saying so."""
+        lines, code = run_tests.summarize(["", "-" * 79, "Ran 0 tests in 0.000s", "", "PASSED"], 0)
+        self.assertEqual(lines, ["no test ran", "0 passed, 0 failed, 0 skipped"])
+        self.assertEqual(code, 1)
+
+    def test_only_skips(self):
+        """A run where every test skipped ran nothing and exits non-zero."""
+        lines, code = run_tests.summarize(_output("PASSED (skips=5)"), 0)
+        self.assertEqual(lines[-1], "0 passed, 0 failed, 5 skipped")
+        self.assertEqual(code, 1)
+
+    def test_no_summary(self):
+        """Output without trial's summary (trial crashed) exits non-zero with a failure counted."""
+        lines, code = run_tests.summarize(["Traceback (most recent call last):", "ImportError: boom"], 1)
+        self.assertEqual(lines, ["trial printed no summary (exit code 1)", "0 passed, 1 failed"])
+        self.assertEqual(code, 1)
+
+    def test_last_summary_wins(self):
+        """A test printing a summary-like line does not hide trial's real summary after it."""
+        lines, code = run_tests.summarize(_output("PASSED (successes=1)", "FAILED (errors=1, successes=2)"), 1)
+        self.assertEqual(lines, ["2 passed, 1 failed, 0 skipped"])
+        self.assertEqual(code, 1)
+
+    def test_trial_exit_code_counts(self):
+        """A PASSED summary with a non-zero trial exit code still fails the run."""
+        _, code = run_tests.summarize(_output("PASSED (successes=3)"), 1)
+        self.assertEqual(code, 1)
