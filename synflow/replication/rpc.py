@@ -28,6 +28,7 @@ import logging
 import random
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from io import BytesIO
 from typing import Any
@@ -105,7 +106,8 @@ class RpcServer(JsonResource):
         self.clock = clock
         self.secret = secret
         self.methods: dict[str, Callable[[Any], Awaitable[Any]]] = {}
-        self._responses: dict[str, Deferred[tuple[int, Any]]] = {}
+        # key -> (expiry time, response); insertion order is expiry order (one TTL).
+        self._responses: OrderedDict[str, tuple[float, Deferred[tuple[int, Any]]]] = OrderedDict()
         self.route("POST", r"/(?P<name>[a-z_]+)/(?P<txn_id>[A-Za-z0-9_-]{1,64})", self._on_call)
 
     def register(self, name: str, method: Callable[[Any], Awaitable[Any]]) -> None:
@@ -123,12 +125,22 @@ class RpcServer(JsonResource):
             raise HttpApiError(404, "M_UNRECOGNIZED", f"no internal method {name!r} on this process")
         body = self.body(request)
         key = f"{name}/{txn_id}"
-        cached = self._responses.get(key)
-        if cached is None:
-            cached = self._responses[key] = Deferred.fromCoroutine(self._run(name, method, body))
-            self.clock.callLater(RESPONSE_CACHE_S, self._responses.pop, key, None)
-        code, result = await observe(cached)
+        now = self.clock.seconds()
+        self._expire(now)
+        entry = self._responses.get(key)
+        if entry is None:
+            entry = self._responses[key] = (now + RESPONSE_CACHE_S, Deferred.fromCoroutine(self._run(name, method, body)))
+        code, result = await observe(entry[1])
         return code, result
+
+    def _expire(self, now: float) -> None:
+        # Expired lazily rather than by a timer per call: no reactor timers
+        # outlive the process's services, and the reactor's heap stays small.
+        while self._responses:
+            key, (expires, _) = next(iter(self._responses.items()))
+            if expires > now:
+                return
+            del self._responses[key]
 
     async def _run(self, name: str, method: Callable[[Any], Awaitable[Any]], body: dict[str, Any]) -> tuple[int, Any]:
         try:
