@@ -64,7 +64,6 @@ class EventRouter:
                 results[i] = result
         return [r for r in results if r is not None]
 
-
     def _queue(self, owner: str, spec: EventSpec) -> Deferred[PersistResult]:
         d: Deferred[PersistResult] = Deferred()
         self._outbox.setdefault(owner, []).append((spec, d))
@@ -105,14 +104,35 @@ def _first_error(failure: Failure) -> Failure:
 
 
 def serve_persist(server: RpcServer, persister: EventPersister) -> None:
-    """Expose ``persist_events`` on this persister's internal listener."""
+    """Expose ``persist_events`` (and its one-event form ``send_event``) on this persister's internal listener.
+
+    A batch with any event for a room this persister does not own is refused
+    whole -- 409 ``M_WRONG_PERSISTER`` naming the owner in ``owner`` -- before
+    any of its events is queued, so a misrouted batch never half-persists.
+    """
 
     async def persist_events(args: Any) -> Any:
         events = args.get("events") if isinstance(args, dict) else None
         if not isinstance(events, list) or not events or not all(isinstance(e, dict) for e in events):
             raise HttpApiError(400, "M_BAD_JSON", "persist_events needs a non-empty list of events")
         specs = [EventSpec.from_json(e) for e in events]
+        for spec in specs:
+            owner = persister.owner_of(spec.room_id)
+            if owner != persister.instance_name:
+                raise HttpApiError(
+                    409, "M_WRONG_PERSISTER",
+                    f"room {spec.room_id} belongs to event persister {owner!r}, not {persister.instance_name!r}",
+                    owner=owner,
+                )
         results = await persister.persist(specs)
         return [r.to_json() for r in results]
 
+    async def send_event(args: Any) -> Any:
+        event = args.get("event") if isinstance(args, dict) else None
+        if not isinstance(event, dict):
+            raise HttpApiError(400, "M_BAD_JSON", "send_event needs an event object")
+        (result,) = await persist_events({"events": [event]})
+        return result
+
     server.register("persist_events", persist_events)
+    server.register("send_event", send_event)
