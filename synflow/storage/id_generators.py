@@ -13,11 +13,16 @@ announce. No SQL runs per fact beyond the write itself.
 On SQLite a rolled-back write must not give its IDs back (another writer
 would reuse them, and the tracker has already let its position pass them):
 the rows are written inside a SAVEPOINT, and on failure only the savepoint is
-rolled back and the sequence re-bumped before the transaction commits.
+rolled back and the sequence re-bumped before the transaction commits. If
+the transaction as a whole still fails (its COMMIT fails, say on a full
+disk or a deferred constraint), the sequence bump is undone with it: those
+IDs were never allocated, so the reservation ends without them and the next
+write takes them again. (On PostgreSQL ``nextval`` is not transactional, so
+the IDs of any failed write are spent and complete as aborted facts.)
 
 Per-writer positions are persisted lazily to ``stream_positions`` (only ever
-forward) by :meth:`MultiWriterIdGenerator.persist_position`, called on a
-timer and at shutdown. At start-up :func:`load_stream_state` reads them,
+forward) by :func:`persist_position_txn`, which the replication handler
+runs on its tick and at shutdown. At start-up :func:`load_stream_state_txn` reads them,
 checks them against the sequence and the table, repairs what is safe
 (bumping a sequence that is behind rows or positions) and otherwise refuses to
 start with an explanation.
@@ -128,15 +133,19 @@ def load_stream_state_txn(txn: Txn, stream: StreamDef, instance_name: str, repai
             f"stream_positions says {holder!r} reached {top_position} but the sequence has only "
             f"handed out up to {last}"
         )
+    target = max(v for v in (max_row, top_position, last) if v is not None)
     if problems and not repair:
+        if txn.engine.name == "postgres":
+            by_hand = f"SELECT setval('{stream.sequence}', {target})"
+        else:
+            by_hand = f"UPDATE stream_sequences SET last_id = {target} WHERE stream_name = '{stream.name}'"
         raise InconsistentPositionsError(
             f"stream {stream.name!r} is inconsistent: {'; '.join(problems)}. synflow can repair this by "
             f"moving the sequence past every used ID (safe: no ID is reused and no reader position moves "
-            f"back); set database.repair_positions: true to let it, or fix the sequence by hand "
-            f"(PostgreSQL: SELECT setval('{stream.sequence}', <highest used ID>))."
+            f"back); set database.repair_positions: true to let it, or move the sequence by hand with "
+            f"{by_hand}"
         )
     if problems:
-        target = max(v for v in (max_row, top_position, last) if v is not None)
         bump_sequence_txn(txn, stream, target)
         for problem in problems:
             logger.warning("repaired stream %r: %s; the sequence now continues after %d", stream.name, problem, target)
@@ -291,6 +300,21 @@ class MultiWriterIdGenerator:
         if visible:
             self._notify(visible, self.tracker.position)
 
+    def abandon(self, handle: int, ids: Sequence[int]) -> None:
+        """The transaction that reserved ``ids`` rolled back its allocation too (SQLite).
+
+        The reservation ends with no IDs: they go back to the sequence, so
+        nothing about them is completed, audited or announced.
+        """
+        if ids:
+            logger.warning(
+                "a write to %s rolled back together with its sequence bump; IDs %d..%d will be handed out again",
+                self.stream.name, min(ids), max(ids),
+            )
+        visible = self.tracker.end_fetch(handle, [])
+        if visible:
+            self._notify(visible, self.tracker.position)
+
     def _notify(self, visible: list[Completed[FactPayload]], position: int) -> None:
         for fn in self._listeners:
             try:
@@ -393,7 +417,18 @@ class StreamWriters:
             return result
 
         def failed(failure: Any) -> Any:
-            self._finish(gens, handles, ctx, False)
+            if sqlite:
+                # The whole transaction rolled back (its commit failed, or the
+                # savepoint handling did), and the sequence bump with it: the
+                # IDs were never allocated and the next write takes them again.
+                # Completing them would move the position past IDs about to be
+                # reused.
+                for stream, gen in gens.items():
+                    gen.abandon(handles[stream], ctx.allocated.get(stream, []))
+            else:
+                # nextval is not transactional: the IDs are spent, so they
+                # complete as aborted facts.
+                self._finish(gens, handles, ctx, False)
             return failure
 
         d = self.db.run_interaction(desc, write_txn)
