@@ -36,7 +36,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from twisted.internet.defer import Deferred, succeed
+from twisted.internet.defer import Deferred, DeferredLock, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
 from synflow.audit import AuditLog
@@ -153,7 +153,7 @@ class ReplicationHandler:
         self._connected: dict[int, set[tuple[str, str]]] = {}
         self._warned_streams: set[str] = set()
         self._announced: dict[str, int] = {}
-        self._persisting: set[str] = set()
+        self._persist_lock = DeferredLock()
         self._tick_call: IDelayedCall | None = None
         self._command_listeners: dict[type, list[Callable[[Connection, Any], None]]] = {}
         for name, gen in self.generators.items():
@@ -203,7 +203,11 @@ class ReplicationHandler:
             self._tick_call = self.clock.callLater(self.tick_interval_s, self._tick)
 
     def stop(self) -> Deferred[Any]:
-        """Stop ticking and persist this writer's positions one last time."""
+        """Stop ticking and persist this writer's positions one last time.
+
+        The Deferred fires once the final positions are stored (after any
+        store already under way).
+        """
         if self._tick_call is not None and self._tick_call.active():
             self._tick_call.cancel()
         self._tick_call = None
@@ -460,30 +464,33 @@ class ReplicationHandler:
             if others:
                 gen.observe_position(max(others))
             gen.idle_advance()
-        self._persist_positions()
+        if not self._persist_lock.locked:  # a slow database must not pile up runs
+            self._persist_positions()
         self._tick_call = self.clock.callLater(self.tick_interval_s, self._tick)
 
     def _persist_positions(self) -> Deferred[Any]:
+        """Store every position that moved since it was last stored.
+
+        Runs one at a time: a run asked for while another is under way (the
+        final one from :meth:`stop`, say) waits for it, then stores the
+        positions as they are by then.
+        """
         if self.persist is None:
             return succeed(None)
-        todo = [
-            (name, gen, gen.position)
-            for name, gen in self.generators.items()
-            if gen.position > gen.persisted_position and name not in self._persisting
-        ]
-        if not todo:
-            return succeed(None)
-        return Deferred.fromCoroutine(self._persist_all(todo))
+        return self._persist_lock.run(self._persist_now)
 
-    async def _persist_all(self, todo: list[tuple[str, MultiWriterIdGenerator, int]]) -> None:
+    def _persist_now(self) -> Deferred[None]:
+        return Deferred.fromCoroutine(self._persist_all())
+
+    async def _persist_all(self) -> None:
         assert self.persist is not None
-        for name, gen, pos in todo:
-            self._persisting.add(name)
+        for name, gen in self.generators.items():
+            pos = gen.position
+            if pos <= gen.persisted_position:
+                continue
             try:
                 await self.persist(name, pos)
             except Exception as e:
                 logger.warning("could not persist position %d of %s: %s", pos, name, e)
             else:
                 gen.persisted_position = max(gen.persisted_position, pos)
-            finally:
-                self._persisting.discard(name)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from twisted.internet.defer import succeed
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -28,16 +28,40 @@ def ev(n: int, room: str = "!r:hs") -> EventsRow:
 class ListSource:
     """A catch-up source over an in-memory table (stands in for the database)."""
 
-    def __init__(self, rows):
-        self.rows = sorted(rows, key=lambda r: (r[0], r[1]))  # (instance, token, row)
+    def __init__(self, rows=()):
+        self.rows = list(rows)  # (instance, token, row)
         self.calls = []
+
+    def page(self, instance, from_token, to_token, limit=100):
+        """One page of ``instance``'s rows in ``(from_token, to_token]``, as DatabaseSource returns it."""
+        hits = sorted(((t, r) for i, t, r in self.rows if i == instance and from_token < t <= to_token),
+                      key=lambda tr: tr[0])[:limit]
+        if len(hits) == limit:
+            return hits, hits[-1][0], True
+        return hits, to_token, False
 
     def get_updates(self, instance, from_token, to_token, limit=100):
         self.calls.append((instance, from_token, to_token))
-        hits = [(t, r) for i, t, r in self.rows if i == instance and from_token < t <= to_token][:limit]
-        if len(hits) == limit:
-            return succeed((hits, hits[-1][0], True))
-        return succeed((hits, to_token, False))
+        return succeed(self.page(instance, from_token, to_token, limit))
+
+
+class DeferredSource(ListSource):
+    """A catch-up source whose pages arrive only when the test releases them."""
+
+    def __init__(self, rows=()):
+        super().__init__(rows)
+        self.pending = []
+
+    def get_updates(self, instance, from_token, to_token, limit=100):
+        self.calls.append((instance, from_token, to_token))
+        d = Deferred()
+        self.pending.append((d, (instance, from_token, to_token, limit)))
+        return d
+
+    def release(self):
+        """Answer the oldest outstanding page request."""
+        d, args = self.pending.pop(0)
+        d.callback(self.page(*args))
 
 
 class FakeConn:
@@ -128,6 +152,30 @@ class ReadingTest(SynchronousTestCase):
         self.assertEqual(handler.position("events", "w1"), 720)
         self.assertEqual(len(source.calls), 4)  # 349 rows in pages of 100
         self.assertEqual(handler.position("events", "w2"), 1)
+
+    def test_commands_wait_for_a_catch_up_in_progress(self):
+        """While a gap is being fetched, later commands of the stream wait; then everything applies once, in order."""
+        source = DeferredSource([("w1", t, ev(t)) for t in range(2, 251)])
+        handler, applied, _ = make_handler(source=source)
+        conn = FakeConn()
+        handler.new_connection(conn)
+        handler.on_command(conn, PositionCommand("events", "w1", 1, 1))
+        handler.on_command(conn, PositionCommand("events", "w2", 1, 1))
+        handler.on_command(conn, PositionCommand("events", "w1", 240, 250))  # rows 2..250 were missed
+        handler.on_command(conn, RdataCommand("events", "w1", 251, ev(251).to_wire()))
+        handler.on_command(conn, RdataCommand("events", "w2", 252, ev(252).to_wire()))
+        self.assertEqual(len(source.pending), 1)
+        self.assertEqual(applied, [])
+        self.assertEqual((handler.position("events", "w1"), handler.position("events", "w2")), (1, 1))
+        source.release()
+        self.assertEqual([t for _, t, _ in applied], list(range(2, 102)))  # one page, nothing after it
+        self.assertEqual(handler.position("events", "w2"), 1)
+        while source.pending:
+            source.release()
+        self.assertEqual(len(source.calls), 3)
+        self.assertEqual([t for i, t, _ in applied if i == "w1"], list(range(2, 252)))
+        self.assertEqual([rows for _, _, rows in applied], [[f"$e{t}:hs"] for t in range(2, 253)])
+        self.assertEqual((handler.position("events", "w1"), handler.position("events", "w2")), (251, 252))
 
     def test_reconnect_goes_through_position_again(self):
         """After a reconnect, rows are dropped until a POSITION, whose gap is caught up."""
@@ -260,6 +308,38 @@ class WritingTest(SynchronousTestCase):
         self.assertEqual(gen.position, 90)
         self.assertIn(PositionCommand("events", "w1", 5, 90), sent.sent)
         handler.stop()
+
+    def test_stop_waits_for_a_running_store_then_stores_the_final_position(self):
+        """stop() during a tick's position store waits for it, then stores the position reached since."""
+        stores = []
+
+        def persist(stream, position):
+            d = Deferred()
+            stores.append((stream, position, d))
+            return d
+
+        clock = Clock()
+        gen = MultiWriterIdGenerator(EVENTS, "w1", 1, clock)
+        handler = ReplicationHandler("w1", clock, streams=STREAMS, sources={}, generators={"events": gen},
+                                     persist=persist)
+        handler.set_transport(FakeConn())
+        handler.start()
+        self._write(gen, [2, 3])()
+        clock.advance(1)  # the tick starts storing 3
+        self.assertEqual([(s, p) for s, p, _ in stores], [("events", 3)])
+        clock.advance(1)  # a tick while the store is slow starts no second one
+        self.assertEqual(len(stores), 1)
+        self._write(gen, [4, 5])()
+        stopped = handler.stop()
+        self.assertNoResult(stopped)
+        self.assertEqual(len(stores), 1)
+        stores[0][2].callback(None)
+        self.assertEqual([(s, p) for s, p, _ in stores], [("events", 3), ("events", 5)])
+        self.assertNoResult(stopped)
+        stores[1][2].callback(None)
+        self.successResultOf(stopped)
+        self.assertEqual(gen.persisted_position, 5)
+        self.assertEqual(clock.getDelayedCalls(), [])
 
     def test_streams_without_leaps_stay(self):
         """A stream defined without idle leaps keeps an idle writer where it is."""
