@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
+from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
 from synflow.replication.commands import (
@@ -12,7 +13,6 @@ from synflow.replication.commands import (
     RdataCommand,
     ReplicateCommand,
     Side,
-    parse_line,
 )
 from synflow.replication.handler import ReplicationHandler
 from synflow.replication.hub import ReplicationHub
@@ -355,40 +355,108 @@ class WritingTest(SynchronousTestCase):
         handler.stop()
 
 
+class _Worker:
+    """Feeds a handler from one pumped replication connection, as the client service does."""
+
+    def __init__(self, handler):
+        self.handler = handler
+
+    def connection_made(self, conn):
+        self.handler.new_connection(conn)
+        self.handler.set_transport(conn)
+
+    def connection_lost(self, conn, reason):
+        self.handler.lost_connection(conn)
+
+    def on_command(self, conn, cmd):
+        self.handler.on_command(conn, cmd)
+
+
 class ThroughTheHubTest(SynchronousTestCase):
+    """A writer and a reader on two workers, joined by the real hub over in-memory pumps (layer 3)."""
+
+    def setUp(self):
+        self.clock = MemoryReactorClock()
+        self.gen = MultiWriterIdGenerator(EVENTS, "w1", 1, self.clock)
+        self.writer = ReplicationHandler("w1", self.clock, streams=STREAMS, sources={},
+                                         generators={"events": self.gen})
+        self.table = ListSource()  # what the writer committed; the reader catches up from it
+        self.reader, self.applied, _ = make_handler(source=self.table, clock=self.clock,
+                                                    positions={"events": {"w1": 1}})
+        self.hub = ReplicationHub(None)
+        self.pumps = {"w1": self._connect(self.writer, "w1"), "reader": self._connect(self.reader, "reader")}
+        self._flush()
+        self.next_id = 2
+
+    def _connect(self, handler, name):
+        server = make_protocol(Side.SERVER, self.hub, self.clock, server_name="hs")
+        client = make_protocol(Side.CLIENT, _Worker(handler), self.clock, server_name="hs", instance_name=name)
+        return Pump(server, client)
+
+    def _flush(self):
+        for _ in range(5):  # the hub relays from one pump to the other
+            for pump in self.pumps.values():
+                if not pump.closed:
+                    pump.flush()
+
+    def _commit(self, rows_per_fact, ok=True):
+        """One writer transaction: facts of the given row counts, committed (or rolled back), then completed."""
+        handle = self.gen.tracker.begin_fetch()
+        ids = list(range(self.next_id, self.next_id + len(rows_per_fact)))
+        self.next_id += len(ids)
+        payloads = {}
+        for sid, n in zip(ids, rows_per_fact, strict=True):
+            rows = tuple(ev(sid * 10 + k) for k in range(n))
+            payloads[sid] = FactPayload(rows, 0)
+            if ok:
+                self.table.rows.extend(("w1", sid, row) for row in rows)
+        self.gen.finish(handle, ids, payloads, ok)
+        return ids
+
+    def _applied_w1(self):
+        return [(t, rows) for i, t, rows in self.applied if i == "w1"]
+
     def test_writer_to_reader_over_pumped_protocols(self):
         """A writer on one worker reaches a reader on another through the real hub in memory."""
-        clock = Clock()
-        gen = MultiWriterIdGenerator(EVENTS, "w1", 1, clock)
-        writer = ReplicationHandler("w1", clock, streams=STREAMS, sources={}, generators={"events": gen})
-        reader, applied, _ = make_handler(clock=clock, positions={"events": {"w1": 1}})
-        hub = ReplicationHub(None)
-        pumps = []
-        for handler, name in ((writer, "w1"), (reader, "reader")):
-            class Recv:
-                def __init__(self, h):
-                    self.h = h
+        self._commit([1, 1])
+        self._flush()
+        self.assertEqual(self.applied, [("w1", 2, ["$e20:hs"]), ("w1", 3, ["$e30:hs"])])
+        self.assertEqual(self.reader.position("events", "w1"), 3)
 
-                def connection_made(self, conn):
-                    self.h.new_connection(conn)
-                    self.h.set_transport(conn)
+    def test_batch_duplicate_disconnect_and_catch_up(self):
+        """A batch applies whole, a duplicate is dropped, and after a reconnect a 250-fact gap is paged in, once each, in order."""
+        (batch_id,) = self._commit([3])
+        self._flush()
+        self.assertEqual(self._applied_w1(), [(batch_id, ["$e20:hs", "$e21:hs", "$e22:hs"])])
 
-                def connection_lost(self, conn, reason):
-                    self.h.lost_connection(conn)
+        # The same row delivered twice (a retransmission) is stale the second time.
+        (sid,) = self._commit([1])
+        self.writer.send_command(RdataCommand("events", "w1", sid, ev(sid * 10).to_wire()))
+        self._flush()
+        self.assertEqual(self._applied_w1()[1:], [(sid, [f"$e{sid * 10}:hs"])])
+        self.assertEqual(self.reader.stats.rdata_stale, 1)
 
-                def on_command(self, conn, cmd):
-                    self.h.on_command(conn, cmd)
+        # The reader's link drops; the writer goes on (a rolled-back write among them).
+        self.pumps["reader"].disconnect()
+        missed = self._commit([1] * 120) + self._commit([1] * 5, ok=False) + self._commit([1] * 130)
+        self._flush()
+        self.assertEqual(self.reader.position("events", "w1"), sid)
+        self.assertEqual(self.gen.position, missed[-1])
 
-            server = make_protocol(Side.SERVER, hub, clock, server_name="hs")
-            client = make_protocol(Side.CLIENT, Recv(handler), clock, server_name="hs", instance_name=name)
-            pumps.append(Pump(server, client))
-        for p in pumps:
-            p.flush()
-        handle = gen.tracker.begin_fetch()
-        gen.finish(handle, [2, 3], {2: FactPayload((ev(2),), 0), 3: FactPayload((ev(3),), 0)}, True)
-        for _ in range(3):
-            for p in pumps:
-                p.flush()
-        self.assertEqual(applied, [("w1", 2, ["$e2:hs"]), ("w1", 3, ["$e3:hs"])])
-        self.assertEqual(reader.position("events", "w1"), 3)
-        self.assertEqual(parse_line("POSITION events w1 3 3").new_token, 3)
+        # It reconnects: REPLICATE brings the writer's POSITION, whose gap is caught up in pages.
+        self.pumps["reader"] = self._connect(self.reader, "reader")
+        self._flush()
+        self.assertEqual(self.reader.position("events", "w1"), missed[-1])
+        pages = [c for c in self.table.calls if c[0] == "w1"]
+        self.assertEqual(len(pages), 3)
+        # Live rows flow again after the catch-up.
+        after = self._commit([1, 2])
+        self._flush()
+
+        committed = [i for i in missed if i not in missed[120:125]] + after
+        applied = self._applied_w1()
+        self.assertEqual([t for t, _ in applied], [batch_id, sid, *committed])
+        every_row = [e for _, rows in applied for e in rows]
+        self.assertEqual(len(every_row), len(set(every_row)))
+        self.assertEqual(applied[-1], (after[-1], [f"$e{after[-1] * 10}:hs", f"$e{after[-1] * 10 + 1}:hs"]))
+        self.assertEqual(self.reader.position("events", "w1"), self.gen.position)
