@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import re
 import secrets
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -232,9 +231,7 @@ class ClientApi(JsonResource):
         if device is not None and not re.fullmatch(r"[A-Za-z0-9._\-]{1,64}", device):
             raise HttpApiError(400, "M_INVALID_PARAM", "device_id must be 1-64 of A-Z a-z 0-9 . _ -")
         reader = f"{requester.user_id}/{device}" if device else requester.user_id
-        started = time.monotonic()
         result = await self.sync_handler.sync(requester.user_id, reader, since, timeout, limit)
-        _ = started
         return 200, {
             "next_batch": result.next_batch,
             "events": [e.to_client() for e in result.events],

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import glob
+import hashlib
+import os
+import time
+from urllib.parse import quote
+
 from twisted.internet.defer import ensureDeferred, inlineCallbacks
 from twisted.trial.unittest import TestCase
 
 from synflow.tools.client import ApiError, Client, new_pool
-from tests.cluster import single_master
+from tests.cluster import read_jsonl, single_master
 
 
 def _as_deferred(f):
@@ -126,6 +132,7 @@ class ClientApiTest(_ApiTestBase):
         await self.assertApiError(404, "M_NOT_FOUND", alice.send("!missing:api.test", {"body": "hi"}, "t2"))
         await self.assertApiError(400, "M_TOO_LARGE", alice.send(room, {"body": "x" * 70_000}, "t3"))
         await self.assertApiError(413, "M_TOO_LARGE", alice.send(room, {"body": "x" * 1_100_000}, "t4"))
+        await self.assertApiError(413, "M_TOO_LARGE", alice.request("POST", "/register", raw=b" " * 1_100_000))
         for bad in ("", "m", "mx", "s-1", "m1~a.2", "m5~999.9", "s99999999999999999999", "t1-2"):
             await self.assertApiError(400, "M_INVALID_PARAM", alice.sync(since=bad))
         await self.assertApiError(400, "M_INVALID_PARAM", alice.request("GET", "/sync?timeout=-5"))
@@ -134,6 +141,99 @@ class ClientApiTest(_ApiTestBase):
         # Still serving after all that.
         await bob.join(room)
         await bob.send(room, {"body": "now allowed"}, "t5")
+
+    @_as_deferred
+    async def test_event_size_limits(self):
+        """Event content up to 64 KiB is accepted; from 64 KiB + 1 up to the 1 MiB request limit it gets 400, past that 413."""
+
+        def body(size: int) -> bytes:
+            raw = b'{"body":"' + b"x" * (size - 11) + b'"}'
+            assert len(raw) == size
+            return raw
+
+        alice = await self.client().register("alice")
+        room = await alice.create_room()
+        path = f"/rooms/{quote(room)}/send/m.room.message"
+        sent = await alice.request("PUT", f"{path}/at-limit", raw=body(64 * 1024))
+        for i, size in enumerate((64 * 1024 + 1, 65 * 1024, 512 * 1024, 1024 * 1024)):
+            error = await self.assertApiError(400, "M_TOO_LARGE", alice.request("PUT", f"{path}/big{i}", raw=body(size)))
+            self.assertIn("65536", error.body["error"])
+        for i, size in enumerate((1024 * 1024 + 1, 2 * 1024 * 1024)):
+            await self.assertApiError(413, "M_TOO_LARGE", alice.request("PUT", f"{path}/huge{i}", raw=body(size)))
+        events = (await alice.sync())["events"]
+        self.assertEqual([e["event_id"] for e in events if e["type"] == "m.room.message"], [sent["event_id"]])
+        self.assertEqual(len(events[-1]["content"]["body"]), 64 * 1024 - 11)
+
+    @_as_deferred
+    async def test_access_tokens_stored_hashed(self):
+        """Registration stores the access token's SHA-256, never the token itself, in the table or the database files."""
+        alice = await self.client().register("alice")
+        bob = await self.client().register("bob")
+        rows = await self.master.db.run_interaction(
+            "read_tokens", lambda txn: (txn.execute("SELECT * FROM access_tokens"), txn.fetchall())[1])
+        self.assertEqual(len(rows), 2)
+        for client in (alice, bob):
+            self.assertNotIn(client.token, repr(rows))
+            digest = hashlib.sha256(client.token.encode("utf-8")).hexdigest()
+            self.assertEqual(sum(1 for row in rows if digest in row and client.user_id in row), 1)
+        database = self.master.config.database_path
+        for path in glob.glob(database + "*"):
+            with open(path, "rb") as f:
+                data = f.read()
+            self.assertNotIn(alice.token.encode(), data, path)
+        self.assertTrue(glob.glob(database + "*"))
+        # The token still authenticates.
+        await alice.sync()
+
+    @_as_deferred
+    async def test_token_audit_records(self):
+        """Every sync appends one token record matching its response, and the instance map is written alongside."""
+        alice = await self.client().register("alice")
+        room = await alice.create_room()
+        for i in range(3):
+            await alice.send(room, {"n": i}, f"a{i}")
+        responses, windows = [], []
+
+        async def sync(**kwargs):
+            before = int(time.time() * 1_000_000)
+            response = await alice.sync(**kwargs)
+            windows.append((before, int(time.time() * 1_000_000)))
+            responses.append((kwargs, response))
+            return response
+
+        first = await sync()
+        for i in range(3, 7):
+            await alice.send(room, {"n": i}, f"a{i}")
+        second = await sync(since=first["next_batch"], device_id="PHONE", limit=2)
+        third = await sync(since=second["next_batch"], device_id="PHONE")
+        await sync(since=third["next_batch"])
+        self.assertTrue(second["limited"])
+        self.master.audit.flush()
+        audit_dir = self.master.config.audit_dir
+        records = [r for path in sorted(glob.glob(os.path.join(audit_dir, "token_logs", "master", "*.jsonl")))
+                   for r in read_jsonl(path)]
+        self.assertEqual(len(records), len(responses))
+        for record, (kwargs, response), (before, after) in zip(records, responses, windows, strict=True):
+            reader = f"{alice.user_id}/{kwargs['device_id']}" if "device_id" in kwargs else alice.user_id
+            self.assertEqual(record["reader"], reader)
+            self.assertEqual(record["stream"], "events")
+            self.assertEqual(record["since"], kwargs.get("since"))
+            self.assertEqual(record["token"], response["next_batch"])
+            self.assertIs(type(record["issued_at"]), int)
+            self.assertTrue(before <= record["issued_at"] <= after, (before, record["issued_at"], after))
+            self.assertEqual(record["issued_by"], "master")
+            self.assertEqual(record["delivered"], [e["event_id"] for e in response["events"]])
+        self.assertEqual([r["reader"] for r in records],
+                         ["@alice:api.test", "@alice:api.test/PHONE", "@alice:api.test/PHONE", "@alice:api.test"])
+        self.assertEqual(len(records[1]["delivered"]), 2)
+        # The instance map rows the tokens' instance IDs refer to.
+        mapped = read_jsonl(os.path.join(audit_dir, "instance_map", "master.jsonl"))
+        in_db = await self.master.db.run_interaction(
+            "read_instances",
+            lambda txn: (txn.execute("SELECT instance_id, instance_name FROM instance_map"), txn.fetchall())[1])
+        self.assertEqual(sorted((r["instance_id"], r["instance_name"]) for r in mapped), sorted(in_db))
+        self.assertIn("master", [r["instance_name"] for r in mapped])
+        self.assertTrue(all(set(r) == {"instance_id", "instance_name"} for r in mapped))
 
     @_as_deferred
     async def test_leave_stops_delivery(self):
