@@ -40,9 +40,21 @@ class ShardForTest(SynchronousTestCase):
             self.assertEqual(shard_for(key, instances), reference(key, instances), key)
 
     def test_known_values(self):
-        """Fixed answers, so a change to the mapping cannot pass unnoticed."""
-        expected = [shard_for(k, i) for k, i in CASES]
-        self.assertEqual(expected, [reference(k, i) for k, i in CASES])
+        """Literal answers worked out once from SHA-256 by hand, so a change to the mapping cannot pass unnoticed."""
+        # (key, instances, expected): the first digest byte is 0x68 for "!foo:test",
+        # 0xb3 for "!baz:test" and 0xc0 for "ünïcødé:ß", so modulo 2 and 4 the
+        # little-endian value gives these (big-endian would give worker2, b, persister5).
+        known = [
+            ("!foo:test", ["worker1", "worker2"], "worker1"),
+            ("!baz:test", ["worker1", "worker2"], "worker2"),
+            ("ünïcødé:ß", ["a", "b", "c", "d"], "a"),
+            ("other.example.org", ["sender1", "sender2", "sender3"], "sender2"),
+            ("!room5:example.com", [f"persister{j}" for j in range(1, 8)], "persister7"),
+            ("!abc:hs", ["p1", "p2", "p3", "p4", "p5"], "p2"),
+            ("", ["x", "y", "z"], "y"),
+        ]
+        for key, instances, expected in known:
+            self.assertEqual(shard_for(key, instances), expected, key)
         self.assertEqual(len({shard_for(f"!r{i}:hs", ["a", "b"]) for i in range(50)}), 2)
 
     @given(st.text(max_size=50), st.lists(st.text(min_size=1, max_size=5), min_size=1, max_size=8, unique=True))
