@@ -3,15 +3,19 @@
 Three layers, each usable alone:
 
 * :func:`validate_transaction` -- a pure function from the raw request to a
-  :class:`Transaction`, or an :class:`~synflow.errors.HttpApiError` (400, or
-  403 for a forbidden origin) saying exactly what is wrong;
+  :class:`Transaction`, or an :class:`~synflow.errors.HttpApiError` (always
+  400, with an ``errcode`` such as ``M_NOT_JSON``, ``M_TOO_LARGE`` or
+  ``M_FORBIDDEN``) saying exactly what is wrong;
 * :class:`InboundTransactionHandler` -- deduplicates on ``(origin, txn_id)``
   through a :class:`~synflow.federation.interfaces.DedupeStore`, persists each
   PDU through an injected callable, reports the origin as up, and returns
   ``(code, json_body)``;
 * :class:`SendResource` -- the twisted.web glue: mount it at
   ``/_matrix/federation/v1/send`` (it reads the transaction ID from the
-  remaining path).
+  remaining path). It declares the handler's body limit as its
+  ``max_body_bytes``, which :func:`synflow.http.site.build_site` applies to
+  requests reaching it, and answers a body the site stopped buffering with
+  400 ``M_TOO_LARGE`` like any other oversized body.
 """
 
 from __future__ import annotations
@@ -162,8 +166,10 @@ def validate_transaction(
             PDUs or 100 EDUs), 400 ``M_NOT_JSON`` (not UTF-8, not JSON, NaN or
             Infinity), 400 ``M_BAD_JSON`` (not an object, too deep, a missing or
             ill-typed field, a malformed PDU or EDU), 400 ``M_INVALID_PARAM``
-            (a bad transaction ID), 403 ``M_FORBIDDEN`` (origin not allowed or
-            not the authenticated one).
+            (a bad transaction ID), 400 ``M_FORBIDDEN`` (origin not allowed or
+            not the authenticated one). Every refusal is a 400, as the
+            issue's contract for inbound garbage asks; the ``errcode`` says
+            which kind it was.
     """
     if not isinstance(txn_id, str) or not txn_id or len(txn_id) > MAX_TXN_ID_LENGTH:
         raise HttpApiError(400, "M_INVALID_PARAM", f"transaction ID must be 1 to {MAX_TXN_ID_LENGTH} characters")
@@ -172,9 +178,9 @@ def validate_transaction(
     if not isinstance(origin, str) or not origin:
         raise _bad("origin must be a non-empty string")
     if origin_header_or_none is not None and origin != origin_header_or_none:
-        raise HttpApiError(403, "M_FORBIDDEN", f"origin {origin!r} is not the authenticated server")
+        raise _bad(f"origin {origin!r} is not the authenticated server", "M_FORBIDDEN")
     if allowed_origins is not None and origin not in allowed_origins:
-        raise HttpApiError(403, "M_FORBIDDEN", f"federation from {origin!r} is not allowed")
+        raise _bad(f"federation from {origin!r} is not allowed", "M_FORBIDDEN")
     origin_server_ts = body.get("origin_server_ts")
     if not _is_int(origin_server_ts):
         raise _bad("origin_server_ts must be an integer")
@@ -344,6 +350,12 @@ class SendResource(Resource):
     (from ``origin_of(request)``, e.g. an ``X-Matrix`` header check; None
     when not given) and writes the handler's JSON reply.
 
+    Its :attr:`max_body_bytes` is the handler's limit: a site built with
+    :func:`synflow.http.site.build_site` buffers bodies up to it for requests
+    reaching this resource, whatever the listener's general limit. A body
+    the site refused to buffer (``request.too_large``) is answered 400
+    ``M_TOO_LARGE`` and never reaches the handler.
+
     Args:
         handler: the inbound handler.
         origin_of: returns the request's authenticated origin, or None.
@@ -358,6 +370,11 @@ class SendResource(Resource):
         self._handler = handler
         self._origin_of = origin_of
 
+    @property
+    def max_body_bytes(self) -> int:
+        """The largest ``/send`` body accepted (the handler's ``max_body_bytes``)."""
+        return self._handler.max_body_bytes
+
     def render_PUT(self, request: Any) -> Any:
         segments = [s for s in request.postpath if s]
         if len(segments) != 1:
@@ -370,6 +387,10 @@ class SendResource(Resource):
             origin = self._origin_of(request) if self._origin_of is not None else None
         except HttpApiError as e:
             return _write(request, e.code, e.to_json())
+        if getattr(request, "too_large", False):
+            metrics.INBOUND_TRANSACTIONS.labels(outcome="rejected").inc()
+            limit = self._handler.max_body_bytes
+            return _write(request, 400, {"errcode": "M_TOO_LARGE", "error": f"body is more than {limit} bytes"})
         raw = request.content.read(self._handler.max_body_bytes + 1) if request.content is not None else b""
         gone: list[bool] = []
         request.notifyFinish().addErrback(lambda _: gone.append(True))

@@ -4,6 +4,11 @@ Every synflow process serves ``/health`` (200 when started and connected to
 replication and the database, 503 with the reasons otherwise) and Prometheus
 ``/metrics`` on its internal listener and on its ``metrics`` listener; the
 client API and inbound federation are mounted on their listeners.
+
+A mounted resource may declare its own body limit as ``max_body_bytes``
+(inbound federation ``/send`` does): the site then buffers bodies up to the
+largest limit and applies, to each request, the limit of the resource its
+path reaches -- the listener's limit for everything else.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from prometheus_client.twisted import MetricsResource
 from twisted.web.resource import Resource
 from twisted.web.server import Request
 
-from synflow.http.server import JsonSite
+from synflow.http.server import JsonSite, LimitedRequest
 
 
 class PrefixRoot(Resource):
@@ -31,15 +36,27 @@ class PrefixRoot(Resource):
         self.mounts.append((prefix.encode(), resource))
         self.mounts.sort(key=lambda m: -len(m[0]))
 
-    def getChildWithDefault(self, path: bytes, request: Request) -> Resource:
-        full = request.path
+    def _match(self, full: bytes) -> tuple[bytes, Resource] | None:
         for prefix, resource in self.mounts:
             if full == prefix or full.startswith(prefix.rstrip(b"/") + b"/"):
-                # Leaf resources see the path after their prefix as postpath.
-                rest = full[len(prefix):].strip(b"/")
-                request.postpath = rest.split(b"/") if rest else []
-                return resource
-        return _NotFound()
+                return prefix, resource
+        return None
+
+    def body_limit_for(self, path: bytes) -> int | None:
+        """The ``max_body_bytes`` declared by the resource serving ``path``, if it declares one."""
+        match = self._match(path)
+        return getattr(match[1], "max_body_bytes", None) if match is not None else None
+
+    def getChildWithDefault(self, path: bytes, request: Request) -> Resource:
+        full = request.path
+        match = self._match(full)
+        if match is None:
+            return _NotFound()
+        prefix, resource = match
+        # Leaf resources see the path after their prefix as postpath.
+        rest = full[len(prefix):].strip(b"/")
+        request.postpath = rest.split(b"/") if rest else []
+        return resource
 
     def render(self, request: Request) -> bytes:
         return _NotFound().render(request)
@@ -74,8 +91,51 @@ class HealthResource(Resource):
         return json.dumps(body).encode()
 
 
+class _PerResourceLimitRequest(LimitedRequest):
+    """Buffers bodies up to the largest limit of the site's resources; at dispatch the
+    limit of the resource the path reaches applies (the site's own limit if it declares none)."""
+
+    def _site(self) -> _PerResourceLimitSite:
+        site: _PerResourceLimitSite = self.channel.site  # type: ignore[attr-defined]  # set by Site.buildProtocol
+        return site
+
+    def gotLength(self, length: int | None) -> None:
+        self.too_large = length is not None and length > self._site().buffer_max_body_bytes
+        Request.gotLength(self, 0 if self.too_large else length)
+        self._received = 0
+
+    def handleContentChunk(self, data: bytes) -> None:
+        self._received += len(data)
+        if self.too_large or self._received > self._site().buffer_max_body_bytes:
+            self.too_large = True
+            return
+        Request.handleContentChunk(self, data)
+
+    def process(self) -> None:
+        site = self._site()
+        limit = site.root.body_limit_for(self.path)
+        if self._received > (limit if limit is not None else site.max_body_bytes):
+            self.too_large = True
+        super().process()
+
+
+class _PerResourceLimitSite(JsonSite):
+    """A :class:`JsonSite` whose mounted resources may declare their own body limits."""
+
+    requestFactory = _PerResourceLimitRequest
+
+    def __init__(self, root: PrefixRoot, *, max_body_bytes: int, buffer_max_body_bytes: int) -> None:
+        super().__init__(root, max_body_bytes=max_body_bytes)
+        self.root = root
+        self.buffer_max_body_bytes = buffer_max_body_bytes
+
+
 def build_site(mounts: dict[str, Resource], *, health: HealthResource, max_body_bytes: int) -> JsonSite:
-    """A site serving ``mounts`` plus /health and /metrics."""
+    """A site serving ``mounts`` plus /health and /metrics.
+
+    ``max_body_bytes`` bounds request bodies, except for a mounted resource
+    declaring its own ``max_body_bytes``, whose limit applies to its requests.
+    """
     root = PrefixRoot()
     for prefix, resource in mounts.items():
         root.mount(prefix, resource)
@@ -83,4 +143,8 @@ def build_site(mounts: dict[str, Resource], *, health: HealthResource, max_body_
     metrics = MetricsResource(registry=REGISTRY)
     metrics.isLeaf = True
     root.mount("/metrics", metrics)
-    return JsonSite(root, max_body_bytes=max_body_bytes)
+    own = [o for o in (getattr(r, "max_body_bytes", None) for r in mounts.values()) if o is not None]
+    if not own:
+        return JsonSite(root, max_body_bytes=max_body_bytes)
+    return _PerResourceLimitSite(root, max_body_bytes=max_body_bytes,
+                                 buffer_max_body_bytes=max([max_body_bytes, *own]))

@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
 from treq.testing import StubTreq
+from twisted.internet.address import IPv4Address
 from twisted.internet.defer import Deferred, succeed
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.resource import Resource
 
 from synflow.errors import HttpApiError
 from synflow.federation.inbound import InboundTransactionHandler, validate_transaction
+from synflow.http.server import JsonResource
+from synflow.http.site import HealthResource, build_site
 
 ORIGIN = "remote.test"
 
@@ -85,8 +91,8 @@ GARBAGE = [
     ("not an object", None, b"[1, 2]", 400, "M_BAD_JSON"),
     ("missing origin", None, body(origin=_DROP), 400, "M_BAD_JSON"),
     ("ill-typed origin", None, body(origin=7), 400, "M_BAD_JSON"),
-    ("unlisted origin", None, body(origin="evil.test"), 403, "M_FORBIDDEN"),
-    ("origin not the authenticated one", "other.test", body(), 403, "M_FORBIDDEN"),
+    ("unlisted origin", None, body(origin="evil.test"), 400, "M_FORBIDDEN"),
+    ("origin not the authenticated one", "other.test", body(), 400, "M_FORBIDDEN"),
     ("51 PDUs", None, body(pdus=[pdu(i) for i in range(51)]), 400, "M_TOO_LARGE"),
     ("101 EDUs", None, body(edus=[{"edu_type": "m.t", "content": {}}] * 101), 400, "M_TOO_LARGE"),
     ("oversized body", None, body(pdus=[pdu(1, content={"x": "y" * 30_000})]), 400, "M_TOO_LARGE"),
@@ -108,7 +114,7 @@ GARBAGE = [
 
 class ValidationTest(SynchronousTestCase):
     def test_garbage_is_refused_and_nothing_persisted(self):
-        """Each kind of garbage gets 400/403 with {errcode, error}; nothing is persisted or remembered."""
+        """Each kind of garbage gets exactly 400 with {errcode, error}; nothing is persisted or remembered."""
         for name, origin, raw, code, errcode in GARBAGE:
             r = Receiver()
             got_code, got = self.successResultOf(r.handler.on_send(origin, "txn1", raw))
@@ -142,10 +148,10 @@ class ValidationTest(SynchronousTestCase):
 
     @given(st.binary(max_size=300))
     def test_random_bytes_never_crash(self, raw):
-        """Arbitrary bytes produce a 4xx with an errcode, never an exception or a persist."""
+        """Arbitrary bytes produce a 400 with an errcode, never an exception or a persist."""
         r = Receiver()
         code, got = self.successResultOf(r.handler.on_send(None, "t", raw))
-        self.assertIn(code, (400, 403))
+        self.assertEqual(code, 400)
         self.assertIn("errcode", got)
         self.assertEqual(r.persisted, [])
 
@@ -164,7 +170,7 @@ class ValidationTest(SynchronousTestCase):
             self.assertIsInstance(value, dict)
             self.assertEqual(len(r.persisted), len({p["event_id"] for p in value["pdus"]}))
         else:
-            self.assertIn(code, (400, 403))
+            self.assertEqual(code, 400)
             self.assertIn("errcode", got)
             self.assertEqual(r.persisted, [])
 
@@ -247,11 +253,12 @@ class ResourceTest(SynchronousTestCase):
         self.assertEqual(self.successResultOf(resp.json())["errcode"], "M_NOT_JSON")
 
     def test_resource_passes_the_authenticated_origin(self):
-        """The origin from origin_of(request) must match the body's origin."""
+        """The origin from origin_of(request) must match the body's origin, else 400 M_FORBIDDEN."""
         r = Receiver()
         stub = StubTreq(mount(r.handler.resource(origin_of=lambda request: "other.test")))
         resp = self.successResultOf(stub.put(self.URL + "t1", data=body()))
-        self.assertEqual(resp.code, 403)
+        self.assertEqual(resp.code, 400)
+        self.assertEqual(self.successResultOf(resp.json())["errcode"], "M_FORBIDDEN")
         self.assertEqual(r.persisted, [])
 
     def test_resource_answers_async_handlers(self):
@@ -270,3 +277,88 @@ class ResourceTest(SynchronousTestCase):
         stub = StubTreq(mount(Receiver().handler.resource()))
         resp = self.successResultOf(stub.put(self.URL, data=body()))
         self.assertEqual(resp.code, 404)
+
+
+class _Echo(JsonResource):
+    """A client-API-like resource without a limit of its own: answers the body's size."""
+
+    def __init__(self) -> None:
+        super().__init__("/_synflow/client/v1")
+        self.route("PUT", "/echo", self.on_echo)
+
+    async def on_echo(self, request: Any) -> tuple[int, Any]:
+        return 200, {"size": len(self.body(request))}
+
+
+def exchange(site: Any, path: str, payload: bytes, *, chunked: bool = False) -> tuple[int, dict[str, Any]]:
+    """One HTTP/1.1 request through the site's real HTTPChannel on a StringTransport: (status, JSON body)."""
+    channel = site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 40000))
+    channel.callLater = Clock().callLater  # the idle timeout must not touch the global reactor
+    transport = StringTransport()
+    channel.makeConnection(transport)
+    head = f"PUT {path} HTTP/1.1\r\nHost: local.test\r\nContent-Type: application/json\r\n"
+    if chunked:
+        step = 700
+        parts = [payload[i:i + step] for i in range(0, len(payload), step)]
+        data = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n\r\n"
+        channel.dataReceived((head + "Transfer-Encoding: chunked\r\n\r\n").encode() + data)
+    else:
+        channel.dataReceived((head + f"Content-Length: {len(payload)}\r\n\r\n").encode() + payload)
+    raw = transport.value()
+    status = int(raw.split(b" ", 2)[1])
+    match = re.search(rb"\{.*\}", raw.partition(b"\r\n\r\n")[2], re.S)
+    assert match is not None, raw
+    channel.connectionLost(None)
+    return status, json.loads(match.group(0))
+
+
+def padded(size: int) -> bytes:
+    """A valid transaction body of exactly ``size`` bytes (padding inside a PDU's content)."""
+    base = body(pdus=[pdu(1, content={"pad": ""})])
+    out = body(pdus=[pdu(1, content={"pad": "x" * (size - len(base))})])
+    assert len(out) == size
+    return out
+
+
+class SiteBodyLimitTest(SynchronousTestCase):
+    """On a real site whose listener limit is below the federation one, /send applies its own limit."""
+
+    SEND = "/_matrix/federation/v1/send/"
+
+    def setUp(self) -> None:
+        self.receiver = Receiver(max_body_bytes=2000)
+        self.site = build_site(
+            {"/_matrix/federation/v1/send": self.receiver.handler.resource(), "/_synflow/client/v1": _Echo()},
+            health=HealthResource(lambda: []), max_body_bytes=1000,
+        )
+
+    def test_send_body_between_the_limits_is_accepted(self):
+        """A 1500-byte /send body passes (the federation limit, 2000, applies, not the listener's 1000)."""
+        for chunked in (False, True):
+            code, got = exchange(self.site, self.SEND + f"t{chunked}", padded(1500), chunked=chunked)
+            self.assertEqual((code, got), (200, {"pdus": {"$ev1": {}}}), chunked)
+        self.assertEqual(len(self.receiver.store.responses), 2)
+
+    def test_send_body_over_the_federation_limit_is_400_too_large(self):
+        """A /send body over the federation limit gets 400 M_TOO_LARGE (never 413), however it is framed."""
+        for size in (2001, 5000):
+            for chunked in (False, True):
+                code, got = exchange(self.site, self.SEND + "t1", padded(size), chunked=chunked)
+                self.assertEqual((code, got["errcode"]), (400, "M_TOO_LARGE"), (size, chunked))
+                self.assertIn("2000", got["error"])
+        self.assertEqual((self.receiver.persisted, self.receiver.store.responses), ([], {}))
+
+    def test_other_resources_keep_the_listener_limit(self):
+        """On the same listener, a resource without its own limit still refuses bodies over 1000 bytes."""
+        self.assertEqual(exchange(self.site, "/_synflow/client/v1/echo", b"{}"), (200, {"size": 0}))
+        code, got = exchange(self.site, "/_synflow/client/v1/echo", padded(1500))
+        self.assertEqual((code, got["errcode"]), (413, "M_TOO_LARGE"))
+        self.assertIn("1000", got["error"])
+
+    def test_larger_listener_limit_still_applies_the_federation_one(self):
+        """With a listener limit above the federation limit, /send bodies over 2000 bytes still get 400."""
+        site = build_site({"/_matrix/federation/v1/send": self.receiver.handler.resource()},
+                          health=HealthResource(lambda: []), max_body_bytes=10_000)
+        code, got = exchange(site, self.SEND + "t1", padded(3000))
+        self.assertEqual((code, got["errcode"]), (400, "M_TOO_LARGE"))
+        self.assertEqual(exchange(site, self.SEND + "t2", padded(1999))[0], 200)

@@ -239,27 +239,39 @@ class FederationMixin:
 
     @inlineCallbacks
     def test_inbound_garbage_rejected(self):
-        """Malformed inbound transactions get 400/403 with an error body; nothing is persisted; the master serves on."""
+        """Malformed inbound transactions get exactly 400 with an error body; nothing is persisted; the master serves on."""
         yield self.pair()
         url = f"http://127.0.0.1:{self.a.fed_port}/_matrix/federation/v1/send/"
         pdu = {"event_id": "$x:b.test", "room_id": "!r:a.test", "type": "m.room.message", "sender": "@bob:b.test",
                "content": {}, "origin_server_ts": 1}
         cases = [
-            (b"{not json", 400),
-            (json.dumps({"origin": "b.test", "pdus": [pdu] * 51}).encode(), 400),
-            (json.dumps({"origin": "b.test", "pdus": [], "edus": [{"edu_type": "x", "content": {}}] * 101}).encode(), 400),
-            (json.dumps({"origin": "evil.test", "pdus": [pdu]}).encode(), 403),
-            (json.dumps({"origin": "b.test", "pdus": [{"event_id": 5}]}).encode(), 400),
-            (b'{"origin": "b.test", "pdus": []' + b" " * 3_000_000 + b"}", 400),
+            ("bad JSON", b"{not json", "M_NOT_JSON"),
+            ("51 PDUs", json.dumps({"origin": "b.test", "origin_server_ts": 1, "pdus": [pdu] * 51}).encode(),
+             "M_TOO_LARGE"),
+            ("101 EDUs", json.dumps({"origin": "b.test", "origin_server_ts": 1, "pdus": [],
+                                     "edus": [{"edu_type": "x", "content": {}}] * 101}).encode(), "M_TOO_LARGE"),
+            ("wrong origin", json.dumps({"origin": "evil.test", "origin_server_ts": 1, "pdus": [pdu]}).encode(),
+             "M_FORBIDDEN"),
+            ("malformed PDU", json.dumps({"origin": "b.test", "origin_server_ts": 1,
+                                          "pdus": [{"event_id": 5}]}).encode(), "M_BAD_JSON"),
+            # Over federation.max_body_bytes (2 MiB), and over the listener's 1 MiB as well.
+            ("oversized body", b'{"origin": "b.test", "pdus": []' + b" " * 3_000_000 + b"}", "M_TOO_LARGE"),
         ]
-        for i, (body, code) in enumerate(cases):
+        for i, (name, body, errcode) in enumerate(cases):
             request = urllib.request.Request(url + f"bad{i}", data=body, method="PUT",
                                              headers={"Content-Type": "application/json"})
-            with self.assertRaises(urllib.error.HTTPError) as cm:
+            with self.assertRaises(urllib.error.HTTPError, msg=name) as cm:
                 urllib.request.urlopen(request, timeout=30)
-            self.assertIn(cm.exception.code, (code, 413))
+            self.assertEqual(cm.exception.code, 400, name)
             error = json.loads(cm.exception.read())
-            self.assertIn("errcode", error)
+            self.assertEqual(error["errcode"], errcode, name)
+            self.assertIsInstance(error["error"], str, name)
+        # Between the listener's general limit (1 MiB) and federation.max_body_bytes (2 MiB): accepted.
+        padded = b'{"origin": "b.test", "origin_server_ts": 1, "pdus": []' + b" " * 1_500_000 + b"}"
+        request = urllib.request.Request(url + "big-but-allowed", data=padded, method="PUT",
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            self.assertEqual((response.status, json.loads(response.read())), (200, {"pdus": {}}))
         self.assertEqual(messages(self.a.cluster), [])
         alice = yield ensureDeferred(Client(self.a.url, self.pool).register("alice"))
         room = yield ensureDeferred(alice.create_room())
