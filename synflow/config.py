@@ -79,6 +79,9 @@ class RedisConfig:
     tls: TlsConfig | None = None
     channel_prefix: str | None = None
     connect_timeout_s: float = 10.0
+    #: Publish each replication line as its own message (strict Synapse framing)
+    #: instead of joining the lines of one reactor turn with ``\n``.
+    one_line_per_message: bool = False
 
 
 @attrs.frozen

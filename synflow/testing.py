@@ -9,7 +9,7 @@ stream handlers.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from twisted.internet.address import IPv4Address
 from twisted.internet.interfaces import IReactorTime, IStreamClientEndpoint
@@ -177,17 +177,41 @@ class Pump:
 # -- an in-memory Redis pub/sub server ---------------------------------------------
 
 
+class RedisEvent(NamedTuple):
+    """One thing the fake Redis server saw or did, in the order it happened.
+
+    ``kind`` is ``"command"`` (``args`` is the command a client sent),
+    ``"subscribed"`` (the SUBSCRIBE reply went out: ``args`` is the channel;
+    from here on the client receives the channel's messages) or ``"message"``
+    (a published message was pushed to the client: ``args`` is the channel
+    and the payload).
+    """
+
+    label: str | None
+    client: int
+    kind: str
+    args: tuple[bytes, ...]
+
+
 class FakeRedisProtocol(Protocol):
     """Speaks enough RESP for pub/sub replication: AUTH, SELECT, PING, SUBSCRIBE,
-    UNSUBSCRIBE, PUBLISH, QUIT. Anything else gets an error reply."""
+    UNSUBSCRIBE, PUBLISH, QUIT. Anything else gets an error reply.
+
+    Args:
+        server: the server this connection belongs to.
+        label: names the process this client belongs to, in the event log.
+    """
 
     transport: Any
 
-    def __init__(self, server: FakeRedisServer) -> None:
+    def __init__(self, server: FakeRedisServer, label: str | None = None) -> None:
         self.server = server
+        self.label = label
+        self.id = server.next_client_id()
         self.buffer = b""
         self.authed = server.password is None
         self.channels: set[bytes] = set()
+        self._waiting = False
 
     def connectionMade(self) -> None:
         self.server.clients.add(self)
@@ -197,7 +221,12 @@ class FakeRedisProtocol(Protocol):
 
     def dataReceived(self, data: bytes) -> None:
         self.buffer += data
-        while True:
+        self._drain()
+
+    def _drain(self) -> None:
+        # Like Redis, one client's commands are answered in order: while a
+        # (delayed) SUBSCRIBE is pending, the rest of the buffer waits.
+        while not self._waiting:
             parsed = _parse_resp(self.buffer)
             if parsed is None:
                 return
@@ -207,9 +236,23 @@ class FakeRedisProtocol(Protocol):
     def _reply(self, value: Any) -> None:
         self.transport.write(_encode_resp(value))
 
+    def _record(self, kind: str, args: list[bytes]) -> None:
+        self.server.events.append(RedisEvent(self.label, self.id, kind, tuple(args)))
+
+    def _subscribe(self, channels: list[bytes]) -> None:
+        self._waiting = False
+        if self.transport.disconnecting or getattr(self.transport, "closed", False):
+            return
+        for channel in channels:
+            self.channels.add(channel)
+            self._record("subscribed", [channel])
+            self._reply([b"subscribe", channel, len(self.channels)])
+        self._drain()
+
     def _handle(self, args: list[bytes]) -> None:
         name = args[0].upper() if args else b""
         self.server.commands.append(name.decode())
+        self._record("command", args)
         if name == b"AUTH":
             if self.server.password is not None and args[-1].decode() == self.server.password:
                 self.authed = True
@@ -225,9 +268,11 @@ class FakeRedisProtocol(Protocol):
         elif name == b"PING":
             self._reply(_Simple(b"PONG"))
         elif name == b"SUBSCRIBE":
-            for channel in args[1:]:
-                self.channels.add(channel)
-                self._reply([b"subscribe", channel, len(self.channels)])
+            if self.server.subscribe_delay_s:
+                self._waiting = True
+                self.transport.reactor.callLater(self.server.subscribe_delay_s, self._subscribe, args[1:])
+            else:
+                self._subscribe(args[1:])
         elif name == b"UNSUBSCRIBE":
             for channel in args[1:]:
                 self.channels.discard(channel)
@@ -236,6 +281,7 @@ class FakeRedisProtocol(Protocol):
             channel, message = args[1], args[2]
             receivers = [c for c in list(self.server.clients) if channel in c.channels]
             for client in receivers:
+                client._record("message", [channel, message])
                 client._reply([b"message", channel, message])
             self._reply(len(receivers))
         elif name == b"QUIT":
@@ -295,25 +341,70 @@ class FakeRedisServer(Factory):
     """An in-memory Redis pub/sub server for the in-process test layer.
 
     Connect to it with :meth:`endpoint`; :meth:`kill_clients` drops every
-    connection, as ``CLIENT KILL`` would.
+    connection, as ``CLIENT KILL`` would. Everything each client sends, every
+    subscription confirmed and every message pushed is appended to
+    :attr:`events`, in order, tagged with the endpoint's label.
+
+    Args:
+        password: require AUTH with this password.
+        subscribe_delay_s: confirm (and apply) each SUBSCRIBE only after this
+            long, as a busy server might; a client that publishes before the
+            confirmation arrives is then visibly early in :attr:`events`.
     """
 
-    def __init__(self, password: str | None = None) -> None:
+    def __init__(self, password: str | None = None, *, subscribe_delay_s: float = 0.0) -> None:
         self.password = password
+        self.subscribe_delay_s = subscribe_delay_s
         self.clients: set[FakeRedisProtocol] = set()
+        #: The name of every command received, in order (any client).
         self.commands: list[str] = []
+        #: What every client did and was sent, in order.
+        self.events: list[RedisEvent] = []
+        self._client_ids = iter(range(1, 1_000_000))
+
+    def next_client_id(self) -> int:
+        """A fresh number for a new client connection."""
+        return next(self._client_ids)
 
     def buildProtocol(self, addr: Any) -> FakeRedisProtocol:
         return FakeRedisProtocol(self)
 
-    def endpoint(self) -> MemoryEndpoint:
-        return MemoryEndpoint(self)
+    def endpoint(self, label: str | None = None) -> MemoryEndpoint:
+        """A client endpoint to this server; its connections carry ``label`` in :attr:`events`."""
+        return MemoryEndpoint(_LabelledClients(self, label))
 
-    def kill_clients(self) -> int:
+    def events_of(self, label: str) -> list[RedisEvent]:
+        """The events of the clients connected through ``endpoint(label)``."""
+        return [e for e in self.events if e.label == label]
+
+    def published(self, label: str) -> list[bytes]:
+        """The payloads published by the clients of ``label``, in order."""
+        return [e.args[2] for e in self.events_of(label) if e.kind == "command" and e.args[0].upper() == b"PUBLISH"]
+
+    def kill_clients(self, *, immediately: bool = False) -> int:
+        """Drop every client connection; returns how many.
+
+        Args:
+            immediately: close them now, before anything else queued on the
+                reactor runs, rather than on the next reactor turn.
+        """
         clients = list(self.clients)
         for client in clients:
             client.transport.loseConnection()
+            if immediately:
+                client.transport.close_now()
         return len(clients)
+
+
+class _LabelledClients(Factory):
+    """Builds server-side connections of a FakeRedisServer that carry a label."""
+
+    def __init__(self, server: FakeRedisServer, label: str | None) -> None:
+        self.server = server
+        self.label = label
+
+    def buildProtocol(self, addr: Any) -> FakeRedisProtocol:
+        return FakeRedisProtocol(self.server, self.label)
 
 
 class _MemoryTransport:
@@ -361,6 +452,11 @@ class _MemoryTransport:
             self.reactor.callLater(0, self._deliver)
 
     abortConnection = loseConnection
+
+    def close_now(self) -> None:
+        """Close both ends at once, dropping anything not yet delivered."""
+        self._buffer = []
+        self._close()
 
     def _close(self) -> None:
         from twisted.internet.error import ConnectionDone

@@ -27,9 +27,10 @@ from twisted.internet.protocol import Factory
 from twisted.python.failure import Failure
 
 from synflow.backoff import Backoff
-from synflow.replication.commands import AnyCommand, Side
+from synflow.replication.commands import AnyCommand, PositionCommand, RdataCommand, Side
 from synflow.replication.core import ConnectionCore
 from synflow.replication.hub import CommandHandler
+from synflow.replication.metrics import count_dropped
 from synflow.replication.protocol import ReplicationProtocol
 
 logger = logging.getLogger(__name__)
@@ -160,10 +161,19 @@ class ReplicationClientService(Service):
     # -- sending ---------------------------------------------------------------------
 
     def send_command(self, cmd: AnyCommand) -> None:
-        """Send on the current connection; without one, drop it and count it."""
+        """Send on the current connection; without one, drop it and count it.
+
+        A dropped RDATA or POSITION is repaired by catch-up after the
+        reconnect; any other dropped command is logged at warning.
+        """
         if self.connection is None:
             self.dropped_commands += 1
-            logger.debug("not connected to the replication hub; dropped %s", cmd.NAME)
+            count_dropped(cmd.NAME)
+            if isinstance(cmd, RdataCommand | PositionCommand):
+                logger.debug("not connected to the replication hub; dropped %s", cmd.NAME)
+            else:
+                logger.warning("not connected to the replication hub: dropped %s (dropped so far: %d)",
+                               cmd.NAME, self.dropped_commands)
             return
         self.connection.send_command(cmd)
 

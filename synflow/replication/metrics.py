@@ -12,7 +12,10 @@ leak). It exports:
   received and sent on this process's connections;
 * ``synflow_replication_pending_commands`` and ``_connections`` -- queued
   outbound commands and live connections;
-* ``synflow_replication_catch_ups_total`` and friends from the handler's counters.
+* ``synflow_replication_catch_ups_total`` and friends from the handler's counters;
+* ``synflow_replication_dropped_commands_total{command}`` -- commands a
+  transport could not send because it was disconnected (counted as they are
+  dropped, which only happens while a transport is down).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from typing import Any
 
 from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from synflow.metrics import counter
 
 
 class _ReplicationCollector:
@@ -87,6 +92,18 @@ def _cores(transport: Any) -> list[Any]:
 
 COLLECTOR = _ReplicationCollector()
 REGISTRY.register(COLLECTOR)
+
+#: Commands dropped because the transport was disconnected, by command name.
+DROPPED_COMMANDS = counter(
+    "synflow_replication_dropped_commands",
+    "Replication commands dropped because the transport was disconnected",
+    ["command"],
+)
+
+
+def count_dropped(command: str, n: int = 1) -> None:
+    """Count ``n`` commands named ``command`` dropped while disconnected."""
+    DROPPED_COMMANDS.labels(command=command).inc(n)
 
 
 def watch(handler: Any, transport: Any) -> None:

@@ -5,7 +5,9 @@ Every process subscribes to one channel -- the server name, or
 connection, and publishes on a second one (a subscribed Redis connection
 can issue no other command). Each message carries one or more replication
 lines separated by ``\\n``; when several commands are sent in the same
-reactor turn (a stream with a backlog) they share one PUBLISH.
+reactor turn (a stream with a backlog) they share one PUBLISH. With
+``replication.redis.one_line_per_message`` every line is its own message,
+as Synapse publishes them.
 
 The lines go through the same sans-IO core (in its bus mode: no sides, no
 handshake, an unparseable message is logged and skipped rather than closing
@@ -18,7 +20,9 @@ process was disconnected is lost for good.
 
 Our own publishes come back to us; they are recognised and dropped. While
 disconnected, RDATA and POSITION are dropped quietly (catch-up covers them)
-and other commands are dropped with a warning and counted.
+and other commands are dropped with a warning; both are counted in
+``synflow_replication_dropped_commands_total{command}``. That includes the
+lines still waiting to be published when a connection goes down.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from __future__ import annotations
 import logging
 import random
 from collections import Counter
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, Final
 
 import txredisapi
 from twisted.application.service import Service
@@ -46,11 +51,15 @@ from synflow.replication.commands import (
 )
 from synflow.replication.core import ConnectionCore, Deliver, SendLine
 from synflow.replication.hub import CommandHandler
+from synflow.replication.metrics import count_dropped
 
 logger = logging.getLogger(__name__)
 
 #: Largest PUBLISH payload built by coalescing lines (bytes).
 MAX_MESSAGE_BYTES = 256 * 1024
+
+#: The commands whose loss catch-up repairs (a later POSITION reveals the gap).
+_STREAM_NAMES: Final = frozenset({RdataCommand.NAME, PositionCommand.NAME})
 
 
 class RedisStartupError(SynflowError):
@@ -163,6 +172,7 @@ class RedisTransportService(Service):
         self.handler = handler
         self.reactor = reactor
         self.channel = channel_name(config)
+        self.one_line_per_message = self.redis.one_line_per_message
         self.core = ConnectionCore(Side.BOTH, server_name=config.server_name,
                                    instance_name=config.instance_name, ping_timeout_s=None,
                                    ping_interval_s=float("inf"))
@@ -298,12 +308,31 @@ class RedisTransportService(Service):
 
     def _down(self, which: str) -> None:
         conn, self.connection = self.connection, None
-        self.dropped_stream_commands += len(self._outbox)
-        self._outbox.clear()
+        lines, self._outbox = self._outbox, []
         if conn is not None:
             logger.warning("lost the %s Redis connection (channel %r); reconnecting", which, self.channel)
-            if self.handler is not None:
-                self.handler.lost_connection(conn)
+        self._drop_lines(lines, f"the {which} Redis connection was lost")
+        if conn is not None and self.handler is not None:
+            self.handler.lost_connection(conn)
+
+    def _drop_lines(self, lines: Iterable[bytes], why: str) -> None:
+        """Count lines that will never be published; warn about those catch-up cannot replace."""
+        dropped: Counter[str] = Counter(line.split(b" ", 1)[0].decode("utf-8", "replace") for line in lines)
+        if not dropped:
+            return
+        others: dict[str, int] = {}
+        for name, n in dropped.items():
+            count_dropped(name, n)
+            if name in _STREAM_NAMES:
+                self.dropped_stream_commands += n
+            else:
+                others[name] = n
+        if others:
+            self.dropped_commands += sum(others.values())
+            logger.warning(
+                "%s: dropped %s (dropped so far: %d)",
+                why, ", ".join(f"{n} {name}" for name, n in sorted(others.items())), self.dropped_commands,
+            )
 
     def _message(self, message: Any) -> None:
         data = message.encode("utf-8") if isinstance(message, str) else bytes(message)
@@ -330,6 +359,7 @@ class RedisTransportService(Service):
     def send_command(self, cmd: AnyCommand) -> None:
         """Publish a command (coalesced with others sent in the same reactor turn)."""
         if self.connection is None:
+            count_dropped(cmd.NAME)
             if isinstance(cmd, RdataCommand | PositionCommand):
                 self.dropped_stream_commands += 1
             else:
@@ -349,7 +379,11 @@ class RedisTransportService(Service):
         lines, self._outbox = self._outbox, []
         conn = self._publisher
         if conn is None or self.connection is None:
-            self.dropped_stream_commands += len(lines)
+            self._drop_lines(lines, "not connected to Redis")
+            return
+        if self.one_line_per_message:
+            for line in lines:
+                self._publish(conn, line)
             return
         message: list[bytes] = []
         size = 0
@@ -371,4 +405,7 @@ class RedisTransportService(Service):
     def _publish_failed(self, failure: Any, payload: bytes) -> None:
         if self._echoes.get(payload):
             self._echoes[payload] -= 1
+            if not self._echoes[payload]:
+                del self._echoes[payload]
         logger.warning("PUBLISH to Redis failed: %s", failure.getErrorMessage())
+        self._drop_lines(payload.split(b"\n"), "a PUBLISH failed")

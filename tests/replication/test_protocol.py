@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import random
 
+from prometheus_client import REGISTRY
 from twisted.internet.defer import fail, succeed
 from twisted.internet.error import ConnectionDone, ConnectionRefusedError
 from twisted.internet.task import Clock
@@ -20,12 +22,18 @@ from synflow.replication.commands import (
     PingCommand,
     PositionCommand,
     RdataCommand,
+    RemoteServerUpCommand,
     ServerCommand,
     Side,
 )
 from synflow.testing import PumpTransport, RecordingReceiver, attach, make_protocol, sent_lines
 
 T0 = 1490197665.618
+
+
+def _dropped(command: str) -> float:
+    """The exported count of commands of this name dropped while disconnected."""
+    return REGISTRY.get_sample_value("synflow_replication_dropped_commands_total", {"command": command}) or 0.0
 
 
 def _server(clock, **kw):
@@ -487,13 +495,21 @@ class BackoffTest(SynchronousTestCase):
         service.stopService()
 
     def test_send_while_disconnected_is_counted(self):
-        """A command sent with no connection is dropped and counted, not raised."""
+        """A command sent with no connection is dropped, counted per command on /metrics, and warned about unless a stream command."""
         clock = MemoryReactorClock()
         endpoint = _Endpoint(clock, refusals=100)
         service = self._service(clock, endpoint)
         service.startService()
-        service.send_command(PingCommand("1"))
-        self.assertEqual(service.dropped_commands, 1)
+        names = ("REMOTE_SERVER_UP", "POSITION")
+        before = {n: _dropped(n) for n in names}
+        with self.assertLogs("synflow.replication.client", "DEBUG") as logs:
+            service.send_command(RemoteServerUpCommand("a.example.com"))
+            service.send_command(PositionCommand("events", "persister1", 1, 2))
+        self.assertEqual(service.dropped_commands, 2)
+        self.assertEqual({n: _dropped(n) - before[n] for n in names}, {"REMOTE_SERVER_UP": 1, "POSITION": 1})
+        warnings = [r.getMessage() for r in logs.records if r.levelno >= logging.WARNING]
+        self.assertEqual(len(warnings), 1, warnings)
+        self.assertIn("dropped REMOTE_SERVER_UP", warnings[0])
         service.stopService()
 
 
