@@ -8,10 +8,13 @@ exactly the events returned). Facts completed out of order are never
 skipped: a writer's position only covers facts it has completed, and the
 window is per writer.
 
-If ``since`` is ahead of this process (the client's last sync ran on a
-faster process), the request waits -- bounded by its timeout -- until this
-process has caught up; with nothing new it long-polls until an event in one
-of the user's rooms (or a membership change of the user) arrives.
+If ``since`` is ahead of this process (the client's last sync, or send, ran
+on a faster process), the request first waits until this process has caught
+up -- even with ``timeout=0``, bounded by :data:`CATCH_UP_TIMEOUT_S` (or the
+request's timeout, if longer) -- so a token from any process reads its
+writes here too. With nothing new it then long-polls, up to its timeout,
+until an event in one of the user's rooms (or a membership change of the
+user) arrives.
 
 Every response is recorded in the audit log: reader, since, next_batch,
 delivered event IDs and the rooms the response covered.
@@ -35,6 +38,11 @@ from synflow.tokens import StreamToken
 from synflow.util import cancel_timer_when_done
 
 logger = logging.getLogger(__name__)
+
+#: How long a sync waits, at least, for this process to catch up with a
+#: ``since`` token from a faster process (the same bound as internal RPC's
+#: ``replication.wait_for_position_timeout_s`` default).
+CATCH_UP_TIMEOUT_S = 5.0
 
 
 @attrs.frozen
@@ -61,11 +69,14 @@ class SyncHandler:
         instances: instance name <-> ID for tokens.
         clock: timeouts and timestamps.
         audit: where tokens issued are recorded.
+        catch_up_timeout_s: the least a sync waits to catch up with its ``since``.
     """
 
     def __init__(self, store: DataStore, handler: ReplicationHandler, instances: InstanceMap,
-                 clock: IReactorTime, audit: AuditLog | None = None) -> None:
+                 clock: IReactorTime, audit: AuditLog | None = None, *,
+                 catch_up_timeout_s: float = CATCH_UP_TIMEOUT_S) -> None:
         self.store = store
+        self.catch_up_timeout_s = catch_up_timeout_s
         self.handler = handler
         self.instances = instances
         self.clock = clock
@@ -123,8 +134,12 @@ class SyncHandler:
     async def sync(self, user_id: str, reader: str, since_text: str | None, timeout_ms: int, limit: int) -> SyncResult:
         """Events for ``user_id`` after ``since`` (the beginning if None)."""
         since = await self.parse_token(since_text) if since_text is not None else StreamToken.at(0)
-        deadline = self.clock.seconds() + timeout_ms / 1000.0
-        await self._wait_until_reached(since, deadline)
+        started = self.clock.seconds()
+        deadline = started + timeout_ms / 1000.0
+        # Catching up is not long-polling: a token from a faster process is
+        # waited for even with timeout=0 (bounded), or the client would get
+        # nothing back for a write it already made elsewhere.
+        await self._wait_until_reached(since, max(deadline, started + self.catch_up_timeout_s))
         while True:
             result = await self._sync_once(user_id, since, limit)
             remaining = deadline - self.clock.seconds()
