@@ -24,7 +24,6 @@ from twisted.internet.defer import Deferred, succeed
 from synflow.app.base import ProcessService
 from synflow.app.services import ListeningService
 from synflow.caching import (
-    CURRENT_STATE_CACHE_NAME,
     CacheRegistry,
     TierInvalidator,
     open_tier,
@@ -224,9 +223,8 @@ class SynflowProcess(ProcessService):
                 invalidator.setServiceParent(self.app_services)
 
     def _invalidate_for_events(self, instance: str, token: int, rows: list[Any]) -> None:
-        for row in rows:
-            if row.is_membership:
-                self.caches.invalidate_local(CURRENT_STATE_CACHE_NAME, [row.room_id, row.state_key])
+        # Every state event: its room's caches (membership, hosts, current state).
+        self.caches.events_row_handler(instance, token, rows)
 
     def _listen(self, name: str, endpoint: str, site: Any) -> ListeningService:
         service = ListeningService(self.reactor, endpoint, site)

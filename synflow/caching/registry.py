@@ -42,7 +42,7 @@ from synflow.caching.tier import TierClient, encode_key
 from synflow.config import CacheConfig
 from synflow.errors import ConfigError
 from synflow.replication.commands import MAX_LINE_LENGTH
-from synflow.streams import CachesRow
+from synflow.streams import CachesRow, EventsRow
 
 logger = logging.getLogger(__name__)
 
@@ -211,6 +211,24 @@ class CacheRegistry:
     def row_handler(self, instance: str, token: int, rows: list[Any]) -> None:
         """The replication handler's row-handler signature for the caches stream."""
         self.apply(rows, token)
+
+    def events_row_handler(self, instance: str, token: int, rows: list[Any]) -> None:
+        """The events stream's row handler: a state event invalidates its room's caches at once.
+
+        The persister records the same change on the caches stream, but the
+        two streams advance independently: this process may pass the event's
+        events position before the caches row arrives. Dropping the entries
+        here, before the events position advances, means no read at that
+        position sees the room's old state. A membership event also drops
+        its member's user-keyed entries. The caches-stream ID is not known
+        here, so tier-backed caches distrust tier values of these keys until
+        an invalidation with a known ID arrives (see ``docs/caching.md``).
+        """
+        for row in rows:
+            if not isinstance(row, EventsRow) or row.state_key is None:
+                continue
+            keys = [row.room_id, row.state_key] if row.is_membership else [row.room_id]
+            self.invalidate_local(CURRENT_STATE_CACHE_NAME, keys)
 
     def apply_local(self, rows: Iterable[CachesRow], stream_id: int | None = None) -> None:
         """Apply this process's own rows right after the writing transaction commits."""

@@ -26,7 +26,7 @@ import attrs
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 
-from synflow.caching import CURRENT_STATE_CACHE_NAME
+from synflow.caching import CURRENT_STATE_CACHE_NAME, invalidation_rows
 from synflow.errors import HttpApiError
 from synflow.metrics import counter, histogram
 from synflow.sharding import shard_for
@@ -269,8 +269,10 @@ def persist_events_txn(
 def _write_txn(ctx: StreamWriteContext, accepted: list[_Accepted], ids: list[int], rooms: dict[str, _RoomState],
                instance_name: str, now_ms: int) -> None:
     txn = ctx.txn
-    events, txn_ids, state, members, destinations, invalidations = [], [], [], [], [], []
+    events, txn_ids, state, members, destinations = [], [], [], [], []
     heads: dict[str, tuple[str, int, int]] = {}
+    # Room -> the members whose membership changed, for every room whose state changed.
+    changed: dict[str, dict[str, None]] = {}
     for stream_id, a in zip(ids, accepted, strict=True):
         spec = a.spec
         events.append((
@@ -281,15 +283,14 @@ def _write_txn(ctx: StreamWriteContext, accepted: list[_Accepted], ids: list[int
         heads[spec.room_id] = (a.event_id, a.depth, stream_id)
         if spec.state_key is not None:
             state.append((spec.room_id, spec.type, spec.state_key, a.event_id))
+            changed.setdefault(spec.room_id, {})
         if a.implicit_join:
             members.append((spec.room_id, spec.sender, server_of(spec.sender), "join", a.event_id, stream_id))
-            invalidations.append(CachesRow(CURRENT_STATE_CACHE, (spec.room_id, spec.sender), now_ms))
+            changed.setdefault(spec.room_id, {})[spec.sender] = None
         if spec.membership is not None and spec.state_key is not None:
             members.append((spec.room_id, spec.state_key, server_of(spec.state_key), spec.membership, a.event_id,
                             stream_id))
-            invalidations.append(CachesRow(CURRENT_STATE_CACHE, (spec.room_id, spec.state_key), now_ms))
-        elif spec.type == CREATE:
-            invalidations.append(CachesRow("get_room", (spec.room_id,), now_ms))
+            changed[spec.room_id][spec.state_key] = None
         for destination in a.destinations or ():
             destinations.append((destination, spec.room_id, stream_id, instance_name))
         if spec.txn_id is not None and spec.event_id is None:
@@ -309,8 +310,12 @@ def _write_txn(ctx: StreamWriteContext, accepted: list[_Accepted], ids: list[int
                     ("server_name", "membership", "event_id", "stream_ordering"), members)
     txn.upsert_many("destination_rooms", ("destination", "room_id"), ("stream_ordering", "instance_name"), destinations)
     txn.insert_many("event_txn_ids", ("user_id", "txn_id", "event_id", "stream_ordering", "instance_name"), txn_ids)
-    if invalidations:
-        write_invalidations_txn(ctx, instance_name, invalidations)
+    if changed:
+        # One cs_cache_fake row per room (per 50 members): it clears every
+        # room-keyed cache of the room -- its members, hosts and current
+        # state -- and every user-keyed cache of each member listed.
+        rows = invalidation_rows(now_ms, current_state={r: list(m) for r, m in changed.items()})
+        write_invalidations_txn(ctx, instance_name, rows)
 
 
 EVENT_COLUMNS = (

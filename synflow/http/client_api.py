@@ -11,6 +11,7 @@ request                                      response
 ``PUT rooms/{room}/send/{type}/{txn_id}``    ``{"event_id", "token"}`` (idempotent per user and txn_id)
 ``GET sync?since=&timeout=&limit=&device_id=``  ``{"next_batch", "events", "limited"}``
 ``GET rooms/{room}/members``                 ``{"members", "token"}`` (read at or after ``token``)
+``GET rooms/{room}/state``                   ``{"state": {type: {state_key: event_id}}, "token"}`` (joined users)
 ``PUT rooms/{room}/typing {"typing": bool}``  ``{}`` (an EDU to the room's remote servers)
 ===========================================  =========================================
 
@@ -103,6 +104,7 @@ class ClientApi(JsonResource):
         self.route("PUT", rf"/rooms/{_ROOM}/send/(?P<event_type>[^/]{{1,255}})/(?P<txn_id>[^/]{{1,255}})", self.on_send)
         self.route("GET", r"/sync", self.on_sync)
         self.route("GET", rf"/rooms/{_ROOM}/members", self.on_members)
+        self.route("GET", rf"/rooms/{_ROOM}/state", self.on_state)
         self.route("PUT", rf"/rooms/{_ROOM}/typing", self.on_typing)
 
     # -- helpers ------------------------------------------------------------------------
@@ -203,7 +205,8 @@ class ClientApi(JsonResource):
         if not isinstance(typing, bool):
             raise HttpApiError(400, "M_BAD_JSON", "typing must be true or false")
         self._rate_limit(requester.user_id)
-        if await self.store.get_membership(room_id, requester.user_id) != "join":
+        # Cached reads: typing is frequent, and the caches are never stale past this process's position.
+        if requester.user_id not in await self.store.get_users_in_room(room_id):
             raise HttpApiError(403, "M_FORBIDDEN", f"{requester.user_id} is not joined to room {room_id}")
         hosts = [h for h in await self.store.get_current_hosts_in_room(room_id) if h != self.server_name]
         if hosts and self.queue_edus is not None:
@@ -221,6 +224,19 @@ class ClientApi(JsonResource):
         token, _ = await self.sync_handler.current_token()
         members = await self.store.get_users_in_room(room_id)
         return 200, {"members": list(members), "token": str(token)}
+
+    async def on_state(self, request: Request, room_id: str) -> tuple[int, Any]:
+        """The room's current state (event IDs by type and state key), and the position it was read at.
+
+        Only joined users may read it. Like ``members``, the token is taken
+        first: the (cached) state reflects every state event the token covers.
+        """
+        requester = await self.auth(request)
+        token, _ = await self.sync_handler.current_token()
+        if requester.user_id not in await self.store.get_users_in_room(room_id):
+            raise HttpApiError(403, "M_FORBIDDEN", f"{requester.user_id} is not joined to room {room_id}")
+        state = await self.store.get_current_state_ids(room_id)
+        return 200, {"state": state, "token": str(token)}
 
     async def on_sync(self, request: Request) -> tuple[int, Any]:
         requester = await self.auth(request)

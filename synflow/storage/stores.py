@@ -134,6 +134,24 @@ class DataStore:
         )
         return sorted(r[0] for r in txn.fetchall())
 
+    @cached(name="get_current_state_ids", room_key=True, tier=True)
+    def get_current_state_ids(self, room_id: str) -> Deferred[dict[str, dict[str, str]]]:
+        """A room's current state now: event type -> state key -> event ID (empty for an unknown room).
+
+        Every state event's write records ``cs_cache_fake [room, ...]`` in its
+        transaction, which clears this (room-keyed) cache.
+        """
+        return self.db.run_interaction("get_current_state_ids", self._current_state_txn, room_id,
+                                       read_only=True, idempotent=True)
+
+    @staticmethod
+    def _current_state_txn(txn: Txn, room_id: str) -> dict[str, dict[str, str]]:
+        txn.execute("SELECT type, state_key, event_id FROM current_state WHERE room_id = ?", (room_id,))
+        state: dict[str, dict[str, str]] = {}
+        for event_type, state_key, event_id in sorted(txn.fetchall()):
+            state.setdefault(event_type, {})[state_key] = event_id
+        return state
+
     def get_membership(self, room_id: str, user_id: str) -> Deferred[str | None]:
         return self.db.run_interaction("get_membership", self._membership_txn, room_id, user_id,
                                        read_only=True, idempotent=True)
