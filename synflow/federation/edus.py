@@ -68,19 +68,40 @@ class EduQueue:
             EDUS_QUEUED.labels(edu_type=edu_type).inc()
         return self.writers.run_write("queue_edus", ["federation"], queue_edus_txn, self.instance_name, list(edus))
 
-    def on_ack(self, conn: Any, cmd: FederationAckCommand) -> None:
-        """A sender handled the federation stream up to ``cmd.token``."""
+    def on_ack(self, conn: Any, cmd: FederationAckCommand) -> Deferred[int] | None:
+        """A sender handled the federation stream up to ``cmd.token``.
+
+        Once every configured sender has acknowledged, outbox rows at or
+        below the lowest acknowledgement are deleted. An acknowledgement that
+        does not move its sender forward, or an ack from an instance that is
+        not a configured sender, never lowers that bound.
+
+        Returns:
+            A Deferred firing with the number of rows deleted when this ack
+            raised the lowest acknowledgement (0 if the delete failed, which
+            is logged; the next delete covers those rows too), else None.
+        """
         if cmd.token <= self.acks.get(cmd.instance_name, 0):
-            return
+            return None
         self.acks[cmd.instance_name] = cmd.token
         ACKED.labels(instance=cmd.instance_name).set(cmd.token)
-        if self.senders and all(s in self.acks for s in self.senders):
-            low = min(self.acks[s] for s in self.senders)
-            if low > self._trimmed:
-                self._trimmed = low
-                d = self.db.run_interaction("trim_federation_outbox", _trim_txn, low, idempotent=True)
-                d.addCallback(OUTBOX_ROWS_TRIMMED.inc)
-                d.addErrback(lambda f: logger.warning("could not trim the federation outbox: %s", f.getErrorMessage()))
+        if not (self.senders and all(s in self.acks for s in self.senders)):
+            return None
+        low = min(self.acks[s] for s in self.senders)
+        if low <= self._trimmed:
+            return None
+        self._trimmed = low
+        d = self.db.run_interaction("trim_federation_outbox", _trim_txn, low, idempotent=True)
+
+        def trimmed(n: int) -> int:
+            OUTBOX_ROWS_TRIMMED.inc(n)
+            return n
+
+        def failed(f: Any) -> int:
+            logger.warning("could not trim the federation outbox: %s", f.getErrorMessage())
+            return 0
+
+        return d.addCallbacks(trimmed, failed)
 
 
 def _trim_txn(txn: Txn, upto: int) -> int:

@@ -15,6 +15,9 @@ Totals (counters, no destination label, so cardinality stays bounded):
 * ``synflow_federation_edus_sent_total``;
 * ``synflow_federation_transactions_sent_total``;
 * ``synflow_federation_transactions_failed_total{retriable}``;
+* ``synflow_federation_pdus_failed_total`` / ``synflow_federation_edus_failed_total``
+  -- PDUs / EDUs carried by failed attempts (a transaction retried three
+  times counts its PDUs three times);
 * ``synflow_federation_catch_up_entered_total``;
 * ``synflow_federation_transaction_seconds`` -- a histogram of round trips;
 * ``synflow_federation_inbound_transactions_total{outcome}`` -- ``accepted``,
@@ -49,6 +52,8 @@ TRANSACTIONS_SENT = counter("synflow_federation_transactions_sent_total", "Succe
 TRANSACTIONS_FAILED = counter(
     "synflow_federation_transactions_failed_total", "Failed /send transactions", ["retriable"]
 )
+PDUS_FAILED = counter("synflow_federation_pdus_failed_total", "PDUs carried by failed /send attempts")
+EDUS_FAILED = counter("synflow_federation_edus_failed_total", "EDUs carried by failed /send attempts")
 CATCH_UP_ENTERED = counter(
     "synflow_federation_catch_up_entered_total", "Times a destination's queue was dropped for catch-up"
 )

@@ -432,6 +432,8 @@ class PerDestinationQueue:
 
     async def _failed(self, txn: _Transaction, error: TransactionFailed) -> None:
         metrics.TRANSACTIONS_FAILED.labels(retriable=str(error.retriable).lower()).inc()
+        metrics.PDUS_FAILED.inc(len(txn.pdus))
+        metrics.EDUS_FAILED.inc(len(txn.edus))
         self._retry = self._retry.after_failure(self._now_ms(), self._backoff, self._rng)
         self._retry_generation += 1
         logger.info(

@@ -198,3 +198,58 @@ class MetricsTest(SynchronousTestCase):
         self.assertEqual(value("synflow_federation_transactions_sent_total"), sent_before + 2)
         self.successResultOf(h.sender.stop())
         self.assertIsNone(REGISTRY.get_sample_value("synflow_federation_pending_pdus", labels))
+
+    def test_pdu_and_edu_counters_and_catch_up_gauge(self):
+        """Pending EDUs, PDUs/EDUs sent and failed, catch-up entries and the catching-up gauge follow the queue."""
+        def value(name, labels=None):
+            return REGISTRY.get_sample_value(name, labels or {}) or 0.0
+
+        counters = {
+            "pdus_queue": ("synflow_federation_pdus_sent_total", {"mode": "queue"}),
+            "pdus_catch_up": ("synflow_federation_pdus_sent_total", {"mode": "catch_up"}),
+            "edus": ("synflow_federation_edus_sent_total", None),
+            "pdus_failed": ("synflow_federation_pdus_failed_total", None),
+            "edus_failed": ("synflow_federation_edus_failed_total", None),
+            "entered": ("synflow_federation_catch_up_entered_total", None),
+        }
+        base = {k: value(n, lb) for k, (n, lb) in counters.items()}
+
+        def delta():
+            return {k: value(n, lb) - base[k] for k, (n, lb) in counters.items()}
+
+        h = Harness(config=fast_config(catch_up_after_s=15))
+        labels = {"destination": REMOTE}
+        h.sender.queue(REMOTE)
+        self.assertEqual(value("synflow_federation_catching_up", labels), 1)  # every queue starts catching up
+        h.settle(REMOTE)
+        self.assertEqual(value("synflow_federation_catching_up", labels), 0)
+        h.transport.script[REMOTE] = ["hold"]
+        for i in range(3):
+            h.send(f"!r{i}", [REMOTE])
+        for i in range(4):
+            h.edu(REMOTE, i)
+        self.assertEqual(value("synflow_federation_pending_pdus", labels), 3)
+        self.assertEqual(value("synflow_federation_pending_edus", labels), 4)
+        h.transport.release(unreachable())  # the first transaction (one PDU) fails
+        self.assertEqual(delta(), {**dict.fromkeys(base, 0.0), "pdus_failed": 1})
+        h.clock.advance(10)  # its retry, then two PDUs and four EDUs, succeed
+        self.assertEqual(value("synflow_federation_pending_pdus", labels), 0)
+        self.assertEqual(value("synflow_federation_pending_edus", labels), 0)
+        self.assertEqual(delta(), {**dict.fromkeys(base, 0.0), "pdus_failed": 1, "pdus_queue": 3, "edus": 4})
+        h.transport.default = unreachable()
+        h.edu(REMOTE, 10)  # goes at once, alone, and fails
+        h.edu(REMOTE, 11)  # waits behind it
+        self.assertEqual(delta()["edus_failed"], 1)
+        self.assertEqual(value("synflow_federation_pending_edus", labels), 2)
+        q = h.sender.queue(REMOTE)
+        h.send("!late", [REMOTE])
+        h.clock.advance(q.backoff_interval_s)  # the retry fails: 20 s > 15 s, the queue is dropped
+        self.assertEqual(value("synflow_federation_catching_up", labels), 1)
+        self.assertEqual(value("synflow_federation_pending_edus", labels), 0)
+        self.assertEqual(delta()["entered"], 1)
+        self.assertEqual(delta()["edus_failed"], 2)
+        h.transport.default = "ok"
+        h.clock.advance(q.backoff_interval_s)
+        self.assertEqual(value("synflow_federation_catching_up", labels), 0)
+        self.assertEqual(delta()["pdus_catch_up"], 1)  # !late: the others were sent before
+        self.assertEqual(delta()["edus"], 4)  # the dropped EDUs were never sent
