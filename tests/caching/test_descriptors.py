@@ -5,12 +5,22 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 from twisted.internet.defer import CancelledError, Deferred, fail, succeed
 from twisted.trial.unittest import SynchronousTestCase
 
 from synflow.caching import CachedMethod, cached
 from synflow.caching.descriptors import CachedDescriptor
 from tests.caching.stores import DictStore, GatedStore, sample
+
+
+def exposition() -> dict[tuple[str, str], float]:
+    """``(sample name, cache label) -> value`` parsed from the Prometheus text exposition."""
+    return {
+        (sample.name, sample.labels.get("cache", "")): sample.value
+        for family in text_string_to_metric_families(generate_latest().decode())
+        for sample in family.samples
+    }
 
 
 class LruTest(SynchronousTestCase):
@@ -36,7 +46,7 @@ class LruTest(SynchronousTestCase):
         self.assertEqual(store.get_user.cache.max_size, 3)
 
     def test_hits_misses_and_size_metrics(self) -> None:
-        """Hits, misses and the size gauge follow the calls."""
+        """Hits, misses, invalidations and the size gauge follow the calls."""
         hits = sample("synflow_cache_hits_total", cache="get_pair")
         misses = sample("synflow_cache_misses_total", cache="get_pair")
         size = sample("synflow_cache_size", cache="get_pair")
@@ -47,20 +57,34 @@ class LruTest(SynchronousTestCase):
         self.assertEqual(sample("synflow_cache_hits_total", cache="get_pair") - hits, 1)
         self.assertEqual(sample("synflow_cache_misses_total", cache="get_pair") - misses, 2)
         self.assertEqual(sample("synflow_cache_size", cache="get_pair") - size, 2)
+        invalidations = sample("synflow_cache_invalidations_total", cache="get_pair")
+        store.get_pair.invalidate(("x", "default"))
         store.get_pair.invalidate_all()
         self.assertEqual(sample("synflow_cache_size", cache="get_pair") - size, 0)
+        self.assertEqual(sample("synflow_cache_invalidations_total", cache="get_pair") - invalidations, 2)
 
     def test_metrics_in_exposition(self) -> None:
-        """The cache metrics appear in the Prometheus text exposition with their cache label."""
+        """The text exposition carries each cache's hits, misses, invalidations, evictions and size, with their values."""
         store = DictStore({"@a": 1})
+        before = exposition()
         store.get_user("@a")
         store.get_user("@a")
+        filled = exposition()
         store.get_user.invalidate(("@a",))
-        text = generate_latest().decode()
-        for name in ("synflow_cache_hits_total", "synflow_cache_misses_total",
-                     "synflow_cache_invalidations_total", "synflow_cache_size"):
-            self.assertIn(f'{name}{{cache="get_user"}}', text)
-        self.assertIn("synflow_cache_evictions_total", text)
+        for u in ("@b", "@c", "@d", "@e"):
+            store.get_user(u)  # the fourth evicts one (max_entries=3)
+        after = exposition()
+
+        def delta(name: str, since: dict[tuple[str, str], float], now: dict[tuple[str, str], float]) -> float:
+            return now.get((name, "get_user"), 0.0) - since.get((name, "get_user"), 0.0)
+
+        self.assertEqual(delta("synflow_cache_hits_total", before, filled), 1)
+        self.assertEqual(delta("synflow_cache_misses_total", before, filled), 1)
+        self.assertEqual(delta("synflow_cache_size", before, filled), 1)
+        self.assertEqual(delta("synflow_cache_invalidations_total", filled, after), 1)
+        self.assertEqual(delta("synflow_cache_misses_total", filled, after), 4)
+        self.assertEqual(delta("synflow_cache_evictions_total", filled, after), 1)
+        self.assertEqual(delta("synflow_cache_size", before, after), 3)
 
     def test_keys_normalise_keywords_and_defaults(self) -> None:
         """Keyword arguments and defaults map to the same positional key tuple."""

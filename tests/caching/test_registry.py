@@ -23,6 +23,7 @@ from synflow.streams import CachesRow
 from tests.caching.stores import DictStore, RoomStore, sample
 
 TS = 1_700_000_000_000
+CACHE_ATTRS = ("get_users_in_room", "get_room_summary", "get_rooms_for_user", "get_display_name")
 
 
 def row(name: str, keys: tuple[Any, ...] | None) -> CachesRow:
@@ -32,10 +33,24 @@ def row(name: str, keys: tuple[Any, ...] | None) -> CachesRow:
 def contents(store: RoomStore) -> dict[str, list[Any]]:
     """Every cache's keys and values (the observable state of the store's caches)."""
     out = {}
-    for attr in ("get_users_in_room", "get_room_summary", "get_rooms_for_user", "get_display_name"):
+    for attr in CACHE_ATTRS:
         lru = getattr(store, attr).cache
         out[attr] = sorted((k, repr(lru.peek(k))) for k in lru)
     return out
+
+
+def assert_invalidated(test: SynchronousTestCase, registry: CacheRegistry, store: RoomStore,
+                       rows: list[CachesRow]) -> None:
+    """Every key each row names (after expanding batched names) is absent; a null key left its cache empty."""
+    for r in rows:
+        for name, key in registry.expand(r):
+            if name not in CACHE_ATTRS:
+                continue
+            cache = getattr(store, name).cache
+            if key is None:
+                test.assertEqual(len(cache), 0, f"{name} not cleared by {r}")
+            else:
+                test.assertNotIn(key, cache, f"{name}{key} not invalidated by {r}")
 
 
 def warm(store: RoomStore) -> None:
@@ -213,6 +228,7 @@ class CommuteTest(SynchronousTestCase):
         warm(reference)
         registry.apply(rows)
         expected = contents(reference)
+        assert_invalidated(self, registry, reference, rows)
 
         shuffled = data.draw(st.permutations(rows))
         repeats = data.draw(st.lists(st.sampled_from(rows), max_size=3)) if rows else []
@@ -223,6 +239,7 @@ class CommuteTest(SynchronousTestCase):
         for r in shuffled + repeats:
             registry2.apply([r])
         self.assertEqual(contents(other), expected)
+        assert_invalidated(self, registry2, other, rows)
 
 
 class InvalidationRowsTest(SynchronousTestCase):
