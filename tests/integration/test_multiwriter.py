@@ -196,18 +196,36 @@ class MultiWriterMixin:
         if not kill_writer:
             yield sleep(1.0)  # the audit log flushes every 0.5 s
             check_audit_log(self, cluster, facts)
-        # The readers' final vector clock is the writers' own final positions.
-        writer_positions = {}
-        for w in WRITERS:
-            path = cluster.out_path(w) + (".2" if kill_writer and w == "persister2" else "")
-            writer_positions[w] = [r["position"] for r in read_jsonl(path) if r["t"] == "done"][-1]
-        for reader in READERS:
+        # Once quiet, the readers' vector clock is the writers' own final
+        # positions: equal, neither behind nor ahead (idle writers leap to the
+        # highest ID allocated, so the writers settle on the same value).
+        def writer_out(w):
+            return cluster.out_path(w) + (".2" if kill_writer and w == "persister2" else "")
+
+        def writer_positions():
+            return {w: [r["position"] for r in read_jsonl(writer_out(w)) if r["t"] == "wpos"][-1] for w in WRITERS}
+
+        def reader_clock(reader):
             pos = {}
             for rec in read_jsonl(cluster.out_path(reader)):
                 if rec["t"] == "pos":
                     pos[rec["w"]] = rec["p"]
-            for w in WRITERS:
-                self.assertGreaterEqual(pos[w], writer_positions[w], f"{reader} behind {w}")
+            return {w: pos.get(w) for w in WRITERS}
+
+        yield wait_until(lambda: all(reader_clock(r) == writer_positions() for r in READERS), 30,
+                         "the readers' vector clocks to equal the writers' positions")
+        yield sleep(1.0)  # several idle ticks: nothing may move any more
+        for name in WRITERS:
+            yield cluster.stop(name)
+        for name in READERS:
+            yield cluster.stop(name)
+        final = writer_positions()  # the last record is written at shutdown
+        self.assertGreaterEqual(min(final.values()), max(s for fs in facts.values() for s, _ in fs))
+        for reader in READERS:
+            self.assertEqual(reader_clock(reader), final, f"{reader}'s final vector clock")
+        if disconnect_reader:
+            (stats,) = [r for r in read_jsonl(cluster.out_path("reader1")) if r["t"] == "stats"]
+            self.assertGreaterEqual(stats["catch_ups"], 1, "reader1 reconnected without catching up")
         self.assertGreater(sum(len(v) for v in facts.values()), self.COUNT)
         if kill_writer:
             recorded = {r["event_id"] for r in before if r["t"] == "fact"}
@@ -217,8 +235,6 @@ class MultiWriterMixin:
             self.assertTrue(after, "the restarted writer committed nothing")
             before_ids = [r["sid"] for r in before if r["t"] == "fact"]
             self.assertGreater(min(after), max(before_ids), "the restarted writer reused a stream ID")
-        for name in (*READERS, *WRITERS):
-            yield cluster.stop(name)
         return cluster
 
     @inlineCallbacks

@@ -9,10 +9,13 @@ database, schema wait, replication over the configured transport) and then:
   fraction of them after the rows are inserted, with random delays so that
   transactions complete out of order (on PostgreSQL). Each committed fact is
   appended to ``--out`` as it completes; a final ``done`` line carries the
-  writer's position.
+  writer's position. Its position is also appended (``wpos``) whenever it
+  changes, checked every 0.1 s, including idle leaps after ``done``, and
+  once more at shutdown.
 * ``--role reader``: appends every applied batch of rows (``rows``) and every
   position advance (``pos``) of the events stream to ``--out``, in the order
-  they happen.
+  they happen, and its replication handler's counters (``stats``, e.g.
+  ``catch_ups``) at shutdown.
 
 It runs until SIGTERM (or, for a writer, ``--exit-when-done``).
 """
@@ -30,6 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from twisted.internet import reactor
 from twisted.internet.defer import DeferredSemaphore, gatherResults, inlineCallbacks
+from twisted.internet.task import LoopingCall
 
 from synflow.app.base import ProcessService
 from synflow.app.build import setup_logging
@@ -68,12 +72,27 @@ def insert_events_txn(ctx, instance, events, rng, rollback, delay_ms):
     return list(zip(ids, (e for e, _ in events), strict=True))
 
 
+def log_writer_position(proc: ProcessService, out: Out) -> None:
+    """Append the writer's position whenever it changes, and once more at shutdown."""
+    gen = proc.replication.handler.generators["events"]
+    last = [None]
+
+    def check(force: bool = False) -> None:
+        if force or gen.position != last[0]:
+            last[0] = gen.position
+            out.write({"t": "wpos", "position": gen.position})
+
+    LoopingCall(check).start(0.1)
+    reactor.addSystemEventTrigger("before", "shutdown", check, True)
+
+
 @inlineCallbacks
 def run_writer(proc: ProcessService, args, out: Out):
     rng = random.Random(args.seed)
     me = proc.config.instance_name
     sem = DeferredSemaphore(args.concurrency)
     writers = proc.replication.writers
+    log_writer_position(proc, out)
 
     def one(n):
         size = rng.randint(1, 3)
@@ -114,6 +133,7 @@ def run_reader(proc: ProcessService, out: Out) -> None:
     )
     handler.add_position_listener("events", lambda inst, tok: out.write({"t": "pos", "w": inst, "p": tok}))
     out.write({"t": "ready", "positions": handler.positions("events")})
+    reactor.addSystemEventTrigger("before", "shutdown", lambda: out.write({"t": "stats", **vars(handler.stats)}))
 
 
 def main() -> None:
