@@ -67,7 +67,7 @@ class IdGeneratorTestsMixin:
     engine: str
 
     async def _db(self) -> Database:
-        return await make_database(self, self.engine)  # type: ignore[arg-type]
+        return await make_database(self, self.engine)
 
     async def _load(self, db: Database, repair: bool = False, instance: str = WRITER) -> StreamState:
         return await db.run_interaction("load", load_stream_state_txn, EVENTS, instance, repair)
