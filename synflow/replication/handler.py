@@ -155,7 +155,7 @@ class ReplicationHandler:
         self._announced: dict[str, int] = {}
         self._persist_lock = DeferredLock()
         self._tick_call: IDelayedCall | None = None
-        self._command_listeners: dict[type, list[Callable[[Connection, Any], None]]] = {}
+        self._command_listeners: dict[type, list[Callable[[Connection, Any], object]]] = {}
         for name, gen in self.generators.items():
             self.views[name].positions[instance_name] = gen.position
             self._announced[name] = gen.position
@@ -188,8 +188,12 @@ class ReplicationHandler:
         """``fn(instance, token)`` runs after a writer's position advanced (e.g. notifiers)."""
         self.views[stream].position_listeners.append(fn)
 
-    def add_command_listener(self, kind: type, fn: Callable[[Connection, Any], None]) -> None:
-        """Also call ``fn(conn, cmd)`` for every received command of this class."""
+    def add_command_listener(self, kind: type, fn: Callable[[Connection, Any], object]) -> None:
+        """Also call ``fn(conn, cmd)`` for every received command of this class.
+
+        What ``fn`` returns is not waited for; a Deferred it returns that
+        fails is logged.
+        """
         self._command_listeners.setdefault(kind, []).append(fn)
 
     @property
@@ -271,9 +275,15 @@ class ReplicationHandler:
         self._dispatch[type(cmd)](conn, cmd)
         for fn in self._command_listeners.get(type(cmd), ()):
             try:
-                fn(conn, cmd)
+                result = fn(conn, cmd)
             except Exception:
                 logger.exception("listener for %s failed", cmd.NAME)
+                continue
+            if isinstance(result, Deferred):
+                result.addErrback(self._listener_failed, cmd)
+
+    def _listener_failed(self, failure: Any, cmd: AnyCommand) -> None:
+        logger.error("listener for %s failed: %s", cmd.NAME, failure.getTraceback())
 
     def send_command(self, cmd: AnyCommand) -> None:
         """Send one of this process's commands over the transport."""

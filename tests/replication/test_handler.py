@@ -9,6 +9,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from synflow.replication.commands import (
     COMMANDS,
+    FederationAckCommand,
     PositionCommand,
     RdataCommand,
     ReplicateCommand,
@@ -223,6 +224,26 @@ class ReadingTest(SynchronousTestCase):
         handler.new_connection(conn)
         handler.on_command(conn, PositionCommand("events", "w1", 1, 50))
         self.assertEqual(handler.position("events", "w1"), 1)
+
+    def test_command_listener_failures_are_logged(self):
+        """A command listener that raises, or returns a Deferred that fails, is logged; later listeners still run."""
+        handler, _, _ = make_handler()
+        seen = []
+        failing = Deferred()
+
+        def raising(conn, cmd):
+            raise ValueError("listener bug")
+
+        handler.add_command_listener(FederationAckCommand, raising)
+        handler.add_command_listener(FederationAckCommand, lambda conn, cmd: failing)
+        handler.add_command_listener(FederationAckCommand, lambda conn, cmd: seen.append(cmd.token))
+        with self.assertLogs("synflow.replication.handler", level="ERROR") as logs:
+            handler.on_command(FakeConn(), FederationAckCommand("fed1", 7))
+            failing.errback(RuntimeError("trim failed"))
+        self.assertEqual(seen, [7])
+        self.assertEqual(len(logs.records), 2)
+        self.assertIn("trim failed", logs.output[1])
+        self.assertIsNone(self.successResultOf(failing))  # consumed, not left unhandled
 
     def test_wait_for_position(self):
         """wait_for_position fires True when the writer gets there, False after the timeout."""
