@@ -156,7 +156,8 @@ class AuditConfig:
     """``audit:`` -- the stream audit log (input of the Spark validator)."""
 
     enabled: bool = True
-    dir: str = "var/audit"
+    #: None: ``<data_dir>/audit``.
+    dir: str | None = None
     max_bytes: int = 64 * 1024 * 1024
 
 
@@ -208,6 +209,8 @@ class SynflowConfig:
     pid_file: str | None = None
     #: The files this config came from, in order (not a YAML key).
     files: tuple[str, ...] = ()
+    #: The file each dotted key path came from (not a YAML key).
+    origins: Mapping[str, str] = attrs.field(factory=dict, repr=False, eq=False)
 
     # -- derived -------------------------------------------------------------------
 
@@ -230,6 +233,33 @@ class SynflowConfig:
     def path(self, relative: str) -> str:
         """A path from the config, made absolute against the working directory."""
         return os.path.abspath(relative)
+
+    # Everything a process writes defaults to a place under data_dir; a key
+    # set explicitly wins.
+
+    @property
+    def database_path(self) -> str:
+        """The SQLite file: ``database.path``, else ``<data_dir>/synflow.db``."""
+        return self.database.path or os.path.join(self.data_dir, "synflow.db")
+
+    @property
+    def audit_dir(self) -> str:
+        """The audit log root: ``audit.dir``, else ``<data_dir>/audit``."""
+        return self.audit.dir or os.path.join(self.data_dir, "audit")
+
+    @property
+    def log_path(self) -> str:
+        """The twistd log file: ``log_file``, else ``<data_dir>/log/<instance>.log``."""
+        return self.log_file or os.path.join(self.data_dir, "log", f"{self.instance_name}.log")
+
+    @property
+    def pid_path(self) -> str:
+        """The twistd pidfile: ``pid_file``, else ``<data_dir>/run/<instance>.pid``."""
+        return self.pid_file or os.path.join(self.data_dir, "run", f"{self.instance_name}.pid")
+
+    def origin(self, key: str) -> str | None:
+        """The file the dotted ``key`` (or its nearest enclosing key) came from."""
+        return _origin(self.origins, key)
 
 
 def _secret(value: str | None, path: str | None) -> str | None:
@@ -259,17 +289,23 @@ def load_config(paths: Sequence[str], overrides: Mapping[str, Any] | None = None
     merged: dict[str, Any] = {}
     origins: dict[str, str] = {}
     for path in paths:
-        data = _read_yaml(path)
+        data = read_yaml(path)
         _merge(merged, data, origins, path, "")
     if overrides:
         _merge(merged, dict(overrides), origins, "<overrides>", "")
     config = structure(SynflowConfig, merged, origins, "")
-    config = attrs.evolve(config, files=tuple(str(p) for p in paths))
+    config = attrs.evolve(config, files=tuple(str(p) for p in paths), origins=dict(origins))
     validate(config, origins)
     return config
 
 
-def _read_yaml(path: str) -> dict[str, Any]:
+def read_yaml(path: str) -> dict[str, Any]:
+    """One config file's top-level mapping.
+
+    Raises:
+        ConfigError: naming the file if it is missing, unreadable, not YAML
+            or not a mapping.
+    """
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f)
@@ -331,6 +367,9 @@ def config_error(origins: Mapping[str, str], key: str, message: str) -> ConfigEr
 
 # -- structuring --------------------------------------------------------------------------
 
+#: SynflowConfig attributes that are not YAML keys.
+NOT_KEYS = frozenset({"files", "origins"})
+
 
 def _typename(value: Any) -> str:
     return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
@@ -347,7 +386,7 @@ def structure(cls: type[T], data: Any, origins: Mapping[str, str], key: str) -> 
     if not isinstance(data, dict):
         raise config_error(origins, key, f"must be a mapping, got {_typename(data)}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in attrs.fields(cls) if f.name != "files"}  # type: ignore[arg-type]
+    fields = {f.name: f for f in attrs.fields(cls) if f.name not in NOT_KEYS}  # type: ignore[arg-type]
     unknown = sorted(set(data) - set(fields))
     if unknown:
         sub = f"{key}.{unknown[0]}" if key else unknown[0]
@@ -479,6 +518,31 @@ def validate(config: SynflowConfig, origins: Mapping[str, str]) -> None:
     for name, url in config.federation.destinations.items():
         if not url.startswith(("http://", "https://")):
             raise config_error(origins, f"federation.destinations.{name}", f"must be an http:// or https:// URL, got {url!r}")
+    _check_federation(config.federation, origins)
+
+
+def _check_federation(federation: FederationConfig, origins: Mapping[str, str]) -> None:
+    """Range checks of ``federation:`` (the backoff and the sender's timers)."""
+    backoff = federation.backoff
+    positive = {
+        "federation.backoff.initial_s": backoff.initial_s,
+        "federation.backoff.max_s": backoff.max_s,
+        "federation.catch_up_after_s": federation.catch_up_after_s,
+        "federation.wakeup_interval_s": federation.wakeup_interval_s,
+        "federation.request_timeout_s": federation.request_timeout_s,
+        "federation.max_body_bytes": federation.max_body_bytes,
+    }
+    for key, value in positive.items():
+        if not value > 0:
+            raise config_error(origins, key, f"must be greater than 0, got {value!r}")
+    if backoff.max_s < backoff.initial_s:
+        raise config_error(origins, "federation.backoff.max_s",
+                           f"must be at least federation.backoff.initial_s ({backoff.initial_s!r}), got {backoff.max_s!r}")
+    if not backoff.multiplier >= 1:
+        raise config_error(origins, "federation.backoff.multiplier",
+                           f"must be at least 1 (1 keeps the interval fixed), got {backoff.multiplier!r}")
+    if not 0 <= backoff.jitter < 1:
+        raise config_error(origins, "federation.backoff.jitter", f"must be in [0, 1), got {backoff.jitter!r}")
 
 
 def _check_secret_file(origins: Mapping[str, str], key: str, path: str | None) -> None:

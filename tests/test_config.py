@@ -139,36 +139,114 @@ class ConfigTest(SynchronousTestCase):
         self.assertIn("replication.transport", result.stderr)
         self.assertNotIn("Traceback", result.stderr + result.stdout)
 
+    def test_federation_ranges(self):
+        """Each out-of-range federation timer or backoff value is refused, naming its file and key."""
+        cases = [
+            ("backoff: {multiplier: 0.5}", "federation.backoff.multiplier", "must be at least 1"),
+            ("backoff: {initial_s: 0}", "federation.backoff.initial_s", "must be greater than 0"),
+            ("backoff: {initial_s: -1}", "federation.backoff.initial_s", "must be greater than 0"),
+            ("backoff: {max_s: 0}", "federation.backoff.max_s", "must be greater than 0"),
+            ("backoff: {initial_s: 20, max_s: 10}", "federation.backoff.max_s", "must be at least federation.backoff.initial_s"),
+            ("backoff: {jitter: 1.5}", "federation.backoff.jitter", "must be in [0, 1)"),
+            ("catch_up_after_s: 0", "federation.catch_up_after_s", "must be greater than 0"),
+            ("wakeup_interval_s: -5", "federation.wakeup_interval_s", "must be greater than 0"),
+            ("request_timeout_s: 0", "federation.request_timeout_s", "must be greater than 0"),
+            ("request_timeout_s: .nan", "federation.request_timeout_s", "must be greater than 0"),
+        ]
+        for federation, key, fragment in cases:
+            self.assertConfigError("shared.yaml", key, fragment, shared=SHARED + f"federation: {{{federation}}}\n")
+        # The same value in the process file is named there.
+        self.assertConfigError("own.yaml", "federation.backoff.multiplier", "must be at least 1",
+                               own=MASTER + "federation: {backoff: {multiplier: 0}}\n")
+        # The edges are accepted: a fixed interval, initial == max, no jitter.
+        config = self.load(SHARED + "federation: {backoff: {multiplier: 1, initial_s: 5, max_s: 5, jitter: 0}}\n")
+        self.assertEqual((config.federation.backoff.multiplier, config.federation.backoff.max_s), (1.0, 5.0))
 
-class DocsTest(SynchronousTestCase):
-    def test_every_key_documented(self):
-        """Every config key appears in docs/configuration.md."""
-        import typing
+    def test_federation_defaults(self):
+        """Without a federation section the documented defaults apply."""
+        federation = self.load().federation
+        self.assertEqual((federation.catch_up_after_s, federation.wakeup_interval_s, federation.request_timeout_s),
+                         (3600.0, 60.0, 30.0))
+        backoff = federation.backoff
+        self.assertEqual((backoff.initial_s, backoff.multiplier, backoff.max_s, backoff.jitter), (10.0, 2.0, 86400.0, 0.2))
+        self.assertEqual(federation.destinations, {})
 
-        import attrs
 
-        from synflow.config import SynflowConfig
+def _workers_config(name: str, *extra: str, overrides: dict | None = None):
+    files = [os.path.join(WORKERS, "shared.yaml"), os.path.join(WORKERS, f"{name}.yaml"), *extra]
+    return load_config(files, overrides)
 
-        with open(os.path.join(os.path.dirname(__file__), "..", "docs", "configuration.md")) as f:
-            doc = f.read()
-        missing = []
 
-        def walk(cls, prefix=""):
-            hints = typing.get_type_hints(cls)
-            for field in attrs.fields(cls):
-                if field.name == "files":
-                    continue
-                path = prefix + field.name
-                tp = hints[field.name]
-                inner = [a for a in typing.get_args(tp) if attrs.has(a)]
-                if attrs.has(tp) or inner:
-                    walk(tp if attrs.has(tp) else inner[0], path + ".")
-                    if not (f"`{path}`" in doc or f"`{path}." in doc):
-                        missing.append(path)
-                    continue
-                parent, _, leaf = path.rpartition(".")
-                if f"`{path}`" not in doc and not (f"`{parent}" in doc and f".{leaf}`" in doc):
-                    missing.append(path)
+def _is_loopback(endpoint: str) -> bool:
+    return endpoint.startswith("tcp:") and "interface=127.0.0.1" in endpoint.split(":")
 
-        walk(SynflowConfig)
-        self.assertEqual(missing, [], missing)
+
+class DefaultDeploymentTest(SynchronousTestCase):
+    """The documented defaults of the deployment in workers/."""
+
+    PROCESSES = ("master", "persister1", "persister2", "federation_sender1", "cache_invalidator1")
+
+    def test_addresses(self):
+        """Server localhost; the master serves client and federation on 127.0.0.1:8008; the hub is 127.0.0.1:9092; everything else is on loopback."""
+        for name in self.PROCESSES:
+            config = _workers_config(name)
+            self.assertEqual(config.server_name, "localhost")
+            self.assertEqual((config.replication.hub.host, config.replication.hub.port), ("127.0.0.1", 9092))
+            self.assertIs(config.replication.transport, Transport.TCP)
+            self.assertEqual(config.database.engine, "sqlite")
+            self.assertEqual(set(config.instance_map), set(self.PROCESSES))
+            for address in config.instance_map.values():
+                self.assertEqual(address.host, "127.0.0.1")
+            metrics = config.listener("metrics")
+            self.assertIsNotNone(metrics, name)
+            self.assertTrue(_is_loopback(metrics.endpoint), metrics.endpoint)
+            for listener in config.listeners:
+                self.assertTrue(_is_loopback(listener.endpoint), listener.endpoint)
+            if name != "master":
+                self.assertIsNone(config.listener("client"), name)
+        master = _workers_config("master")
+        for kind in ("client", "federation"):
+            self.assertEqual(master.listener(kind).endpoint, "tcp:8008:interface=127.0.0.1")
+        self.assertEqual(master.event_writers, ["persister1", "persister2"])
+        self.assertEqual(master.federation_sender_instances, ["federation_sender1"])
+        self.assertEqual(master.caches.cache_invalidator_instances, ["cache_invalidator1"])
+
+    def test_production_overlay(self):
+        """workers/production.yaml switches every process to PostgreSQL, Redis replication and the Redis cache tier."""
+        overlay = os.path.join(WORKERS, "production.yaml")
+        for name in self.PROCESSES:
+            config = _workers_config(name, overlay)
+            self.assertEqual(config.database.engine, "postgres")
+            self.assertIs(config.replication.transport, Transport.REDIS)
+            self.assertEqual((config.replication.redis.host, config.replication.redis.port), ("127.0.0.1", 6379))
+            self.assertIsNotNone(config.caches.tier)
+            self.assertEqual(config.files[-1], overlay)
+
+    def test_paths_under_data_dir(self):
+        """Database, audit logs, log files and pidfiles all default to places under data_dir, wherever it is."""
+        from synflow.app.base import database_config
+
+        for data_dir in ("var", os.path.abspath(self.mktemp())):
+            for name in self.PROCESSES:
+                config = _workers_config(name, overrides={"data_dir": data_dir})
+                self.assertEqual(config.data_dir, data_dir)
+                paths = {
+                    "database": database_config(config).path,
+                    "audit": config.audit_dir,
+                    "log": config.log_path,
+                    "pid": config.pid_path,
+                }
+                self.assertEqual(paths, {
+                    "database": os.path.join(data_dir, "synflow.db"),
+                    "audit": os.path.join(data_dir, "audit"),
+                    "log": os.path.join(data_dir, "log", f"{name}.log"),
+                    "pid": os.path.join(data_dir, "run", f"{name}.pid"),
+                })
+
+    def test_explicit_paths_win(self):
+        """A path set explicitly is used instead of its data_dir default."""
+        config = _workers_config("persister1", overrides={
+            "database": {"path": "/srv/db.sqlite"}, "audit": {"dir": "/srv/audit"},
+            "log_file": "/srv/p1.log", "pid_file": "/srv/p1.pid"})
+        self.assertEqual((config.database_path, config.audit_dir, config.log_path, config.pid_path),
+                         ("/srv/db.sqlite", "/srv/audit", "/srv/p1.log", "/srv/p1.pid"))

@@ -6,7 +6,10 @@
     synflowctl status  [DIR] [--config FILE]...
 
 ``DIR`` (default ``workers/``) holds ``shared.yaml`` and one YAML file per
-process (any file with an ``app`` key). Each process runs as
+process (any file with an ``app`` or ``instance_name`` key); other YAML files
+there are overlays, used only when named with ``--config``. Every file is
+read and its top-level keys checked: broken YAML or an unknown key (a
+misspelt ``app``) is a configuration error naming the file. Each process runs as
 ``twistd synflow --config DIR/shared.yaml --config DIR/<proc>.yaml
 [--config FILE]...`` -- every ``--config`` given here is appended to every
 process's list, so ``--config workers/production.yaml`` switches the whole
@@ -14,11 +17,14 @@ deployment to PostgreSQL and Redis. Processes are daemonized with their own
 pidfile and logfile (``pid_file``/``log_file``, by default under
 ``<data_dir>/run`` and ``<data_dir>/log``), started master first, each
 waited for until its ``/health`` answers 200, and stopped in reverse order.
+Ports are checked across the processes too: two processes on one port is a
+configuration error naming the file and the key of the second.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import signal
@@ -30,9 +36,16 @@ import urllib.request
 from typing import Any
 
 import attrs
-import yaml
 
-from synflow.config import SynflowConfig, listener_port, load_config
+from synflow.config import (
+    APP_TYPES,
+    NOT_KEYS,
+    SynflowConfig,
+    Transport,
+    listener_port,
+    load_config,
+    read_yaml,
+)
 from synflow.errors import ConfigError
 
 START_TIMEOUT_S = 60.0
@@ -41,17 +54,21 @@ STOP_TIMEOUT_S = 30.0
 
 @attrs.frozen
 class Proc:
+    """One process of a deployment: its name, config files and loaded config."""
+
     name: str
     files: tuple[str, ...]
     config: SynflowConfig
 
     @property
     def pid_file(self) -> str:
-        return os.path.abspath(self.config.pid_file or os.path.join(self.config.data_dir, "run", f"{self.name}.pid"))
+        """The process's pidfile (``pid_file``, by default under ``<data_dir>/run``)."""
+        return os.path.abspath(self.config.pid_path)
 
     @property
     def log_file(self) -> str:
-        return os.path.abspath(self.config.log_file or os.path.join(self.config.data_dir, "log", f"{self.name}.log"))
+        """The process's log file (``log_file``, by default under ``<data_dir>/log``)."""
+        return os.path.abspath(self.config.log_path)
 
     @property
     def health_url(self) -> str | None:
@@ -76,23 +93,41 @@ def _interface(endpoint: str) -> str:
     return "127.0.0.1"
 
 
+#: Keys that make a YAML file in the deployment directory a process file.
+PROCESS_KEYS = ("app", "instance_name")
+
+
 def discover(directory: str, extra: list[str]) -> list[Proc]:
-    """The processes of a deployment directory, master first."""
+    """The processes of a deployment directory, master first.
+
+    Args:
+        directory: holds ``shared.yaml`` and one file per process.
+        extra: config files appended to every process's list.
+
+    Raises:
+        ConfigError: naming the file (and key) of broken YAML, an unknown
+            top-level key, an invalid process config or a port two
+            processes use.
+    """
     shared = os.path.join(directory, "shared.yaml")
     if not os.path.exists(shared):
         raise ConfigError(f"no shared.yaml in {directory!r}", path=directory)
+    known = sorted(f.name for f in attrs.fields(SynflowConfig) if f.name not in NOT_KEYS)
     procs = []
     for entry in sorted(os.listdir(directory)):
         path = os.path.join(directory, entry)
         if not entry.endswith((".yaml", ".yml")) or entry == "shared.yaml":
             continue
-        with open(path, encoding="utf-8") as f:
-            try:
-                data = yaml.safe_load(f)
-            except yaml.YAMLError:
-                data = None
-        if not isinstance(data, dict) or "app" not in data:
-            continue
+        data = read_yaml(path)
+        for key in data:
+            if key not in known:
+                close = difflib.get_close_matches(str(key), known, n=1)
+                hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}"
+                raise ConfigError(f"unknown key ({hint})", path=path, key=str(key))
+        if not any(key in data for key in PROCESS_KEYS):
+            continue  # an overlay such as production.yaml: used only through --config
+        if "app" not in data:
+            raise ConfigError(f"is required in a process file (one of {', '.join(APP_TYPES)})", path=path, key="app")
         files = (shared, path, *extra)
         config = load_config(list(files))
         procs.append(Proc(config.instance_name, files, config))
@@ -103,20 +138,30 @@ def discover(directory: str, extra: list[str]) -> list[Proc]:
     return procs
 
 
+def _ports(proc: Proc) -> list[tuple[int, str]]:
+    """Every TCP port ``proc`` listens on, with the dotted key that sets it."""
+    config = proc.config
+    ports = [(listener_port(listener.endpoint), f"listeners[{i}].endpoint")
+             for i, listener in enumerate(config.listeners)]
+    own = config.instance_map.get(proc.name)
+    if own is not None:
+        ports.append((own.port, f"instance_map.{proc.name}.port"))
+    if config.app == "master" and config.replication.transport is Transport.TCP:
+        ports.append((config.replication.hub.port, "replication.hub.port"))
+    return [(port, key) for port, key in ports if port]
+
+
 def _check_ports(procs: list[Proc]) -> None:
-    seen: dict[int, str] = {}
+    """Refuse two processes listening on one port, naming the second one's file and key."""
+    seen: dict[int, tuple[str, str, str | None]] = {}
     for proc in procs:
-        ports = [(listener_port(listener.endpoint), f"listeners of {proc.name}") for listener in proc.config.listeners]
-        if proc.config.app == "master" and proc.config.replication.transport.value == "tcp":
-            ports.append((proc.config.replication.hub.port, "replication.hub"))
-        own = proc.config.instance_map.get(proc.name)
-        if own is not None:
-            ports.append((own.port, f"instance_map.{proc.name}"))
-        for port, what in ports:
-            if port and seen.get(port, what) != what:
-                raise ConfigError(f"port {port} is used by both {seen[port]} and {what}", path=proc.files[1])
-            if port:
-                seen[port] = what
+        for port, key in _ports(proc):
+            file = proc.config.origin(key)
+            if port in seen and seen[port][:2] != (proc.name, key):
+                other, other_key, other_file = seen[port]
+                raise ConfigError(f"port {port} is already used by {other} ({other_file}: {other_key})",
+                                  path=file, key=key)
+            seen[port] = (proc.name, key, file)
 
 
 def pid_of(proc: Proc) -> int | None:
@@ -156,7 +201,13 @@ def twistd() -> str:
     return candidate if os.path.exists(candidate) else "twistd"
 
 
-def start(procs: list[Proc], out: Any = sys.stdout) -> int:
+def start(procs: list[Proc], out: Any = None) -> int:
+    """Start each process not running, in order, through twistd; wait until it is healthy.
+
+    Returns:
+        0 if every process is up, else 1 (after printing the failing one's log tail).
+    """
+    out = out if out is not None else sys.stdout
     for proc in procs:
         if pid_of(proc) is not None:
             out.write(f"  {proc.name:<22} already running (pid {pid_of(proc)})\n")
@@ -190,7 +241,13 @@ def start(procs: list[Proc], out: Any = sys.stdout) -> int:
     return 0
 
 
-def stop(procs: list[Proc], out: Any = sys.stdout) -> int:
+def stop(procs: list[Proc], out: Any = None) -> int:
+    """SIGTERM each running process in reverse order and wait for it to exit (SIGKILL after a timeout).
+
+    Returns:
+        0, or 1 if a process had to be killed.
+    """
+    out = out if out is not None else sys.stdout
     code = 0
     for proc in reversed(procs):
         pid = pid_of(proc)
@@ -224,16 +281,30 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def status(procs: list[Proc], out: Any = sys.stdout) -> int:
-    rows = [("instance", "app", "pid", "health", "metrics", "events positions")]
+STATUS_HEADER = ("instance", "app", "pid", "health", "metrics", "positions")
+
+
+def format_positions(positions: dict[str, dict[str, int]]) -> str:
+    """Every stream's writer positions, e.g. ``caches: master=3; events: p1=9 p2=7``."""
+    parts = []
+    for stream, writers in sorted(positions.items()):
+        if isinstance(writers, dict) and writers:
+            parts.append(f"{stream}: " + " ".join(f"{k}={v}" for k, v in sorted(writers.items())))
+    return "; ".join(parts) or "-"
+
+
+def status(procs: list[Proc], out: Any = None) -> int:
+    """Print one row per process; 0 if every process is healthy, else 3."""
+    out = out if out is not None else sys.stdout
+    rows = [STATUS_HEADER]
     all_up = True
     for proc in procs:
         pid = pid_of(proc)
         state, body = health(proc) if pid else ("stopped", {})
         all_up &= state == "healthy"
-        positions = body.get("positions", {}).get("events", {})
+        positions = body.get("positions", {})
         rows.append((proc.name, proc.config.app, str(pid or "-"), state, proc.metrics_url or "-",
-                     " ".join(f"{k}={v}" for k, v in sorted(positions.items())) or "-"))
+                     format_positions(positions if isinstance(positions, dict) else {})))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         out.write("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() + "\n")

@@ -1,0 +1,344 @@
+"""synflowctl: finding a deployment's processes, its config errors, status, stop order and restart."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from synflow.errors import ConfigError
+from synflow.tools import ctl
+from tests.cluster import free_port
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+WORKERS = os.path.join(ROOT, "workers")
+SYNFLOWCTL = os.path.join(ROOT, "scripts", "synflowctl")
+
+
+def copy_workers(testcase: SynchronousTestCase) -> str:
+    """A copy of workers/ without its production overlay."""
+    target = os.path.abspath(testcase.mktemp())
+    shutil.copytree(WORKERS, target, ignore=shutil.ignore_patterns("production.yaml"))
+    return target
+
+
+def write(directory: str, name: str, text: str) -> str:
+    path = os.path.join(directory, name)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(textwrap.dedent(text))
+    return path
+
+
+def small_deployment(testcase: SynchronousTestCase, ports: dict[str, int]) -> str:
+    """A master and two persisters on the given internal ports, with data under the directory."""
+    directory = os.path.abspath(testcase.mktemp())
+    os.makedirs(directory)
+    instance_map = "\n".join(f"  {name}: {{host: 127.0.0.1, port: {port}}}" for name, port in ports.items())
+    write(directory, "shared.yaml", f"server_name: ctl.test\ndata_dir: {directory}/var\n"
+                                    f"replication: {{hub: {{port: {free_port()}}}}}\n"
+                                    f"instance_map:\n{instance_map}\nstream_writers: {{events: [p1, p2]}}\n")
+    write(directory, "master.yaml", "app: master\ninstance_name: master\n")
+    for name in ("p1", "p2"):
+        write(directory, f"{name}.yaml", f"app: event_persister\ninstance_name: {name}\n"
+                                         f"listeners: [{{endpoint: 'tcp:{free_port()}:interface=127.0.0.1', "
+                                         "resources: [metrics]}]\n")
+    return directory
+
+
+class FakeHealth:
+    """A /health endpoint on a thread, answering like a healthy synflow process."""
+
+    def __init__(self, port: int, positions: dict[str, dict[str, int]]) -> None:
+        body = json.dumps({"status": "ok", "problems": [], "positions": positions}).encode()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(200 if self.path == "/health" else 404)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class DiscoverTest(SynchronousTestCase):
+    def test_workers_master_first(self):
+        """The default deployment has five processes, master first, each configured by shared.yaml then its own file."""
+        procs = ctl.discover(WORKERS, [])
+        self.assertEqual([p.name for p in procs],
+                         ["master", "cache_invalidator1", "federation_sender1", "persister1", "persister2"])
+        for proc in procs:
+            self.assertEqual(proc.files, (os.path.join(WORKERS, "shared.yaml"), os.path.join(WORKERS, f"{proc.name}.yaml")))
+
+    def test_config_appended_to_every_process(self):
+        """Each --config file ends every process's list, so the production overlay switches all of them to PostgreSQL and Redis."""
+        directory = copy_workers(self)
+        overlay = os.path.join(WORKERS, "production.yaml")
+        procs = ctl.discover(directory, [overlay])
+        self.assertEqual(len(procs), 5)
+        for proc in procs:
+            self.assertEqual(proc.files[-1], overlay)
+            self.assertEqual(proc.config.files[-1], overlay)
+            self.assertEqual(proc.config.database.engine, "postgres")
+            self.assertEqual(proc.config.replication.transport.value, "redis")
+
+    def test_broken_yaml_named(self):
+        """A process file that is not valid YAML is a config error naming it, not a skipped process."""
+        directory = copy_workers(self)
+        path = write(directory, "persister2.yaml", "app: event_persister\ninstance_name: [persister2\n")
+        with self.assertRaises(ConfigError) as cm:
+            ctl.discover(directory, [])
+        self.assertEqual(cm.exception.path, path)
+        self.assertIn("invalid YAML at line", str(cm.exception))
+
+    def test_misspelt_app_key_named(self):
+        """A misspelt ``app`` key is a config error naming the file and the key, with the likely spelling."""
+        directory = copy_workers(self)
+        for text in ("apps: event_persister\ninstance_name: persister2\n", "ap: event_persister\n"):
+            path = write(directory, "persister2.yaml", text)
+            with self.assertRaises(ConfigError) as cm:
+                ctl.discover(directory, [])
+            self.assertEqual(cm.exception.path, path)
+            self.assertEqual(cm.exception.key, text.split(":")[0])
+            self.assertIn("did you mean 'app'?", str(cm.exception))
+
+    def test_unknown_app_named(self):
+        """An unknown app type is a config error naming the file and ``app``."""
+        directory = copy_workers(self)
+        path = write(directory, "persister2.yaml", "app: synchrotron\ninstance_name: persister2\n")
+        with self.assertRaises(ConfigError) as cm:
+            ctl.discover(directory, [])
+        self.assertEqual((cm.exception.path, cm.exception.key), (path, "app"))
+        self.assertIn("unknown app 'synchrotron'", str(cm.exception))
+
+    def test_process_file_without_app_named(self):
+        """A process file with an instance_name but no app is refused, naming the file."""
+        directory = copy_workers(self)
+        path = write(directory, "persister2.yaml", "instance_name: persister2\n")
+        with self.assertRaises(ConfigError) as cm:
+            ctl.discover(directory, [])
+        self.assertEqual((cm.exception.path, cm.exception.key), (path, "app"))
+        self.assertIn("is required", str(cm.exception))
+
+    def test_overlay_in_directory_not_started(self):
+        """A YAML file with neither app nor instance_name (an overlay) is not a process."""
+        self.assertNotIn("production", [p.name for p in ctl.discover(WORKERS, [])])
+
+    def test_port_shared_by_two_processes(self):
+        """Two processes on one port is a config error naming the second one's file and key, and the first."""
+        directory = copy_workers(self)
+        path = os.path.join(directory, "persister2.yaml")
+        with open(path) as f:
+            text = f.read()
+        with open(path, "w") as f:
+            f.write(text.replace("tcp:9103", "tcp:9102"))
+        with self.assertRaises(ConfigError) as cm:
+            ctl.discover(directory, [])
+        self.assertEqual((cm.exception.path, cm.exception.key), (path, "listeners[0].endpoint"))
+        self.assertIn("port 9102 is already used by persister1", str(cm.exception))
+        self.assertIn("persister1.yaml: listeners[0].endpoint", str(cm.exception))
+
+    def test_instance_map_port_shared(self):
+        """Two instance_map entries on one port are named in shared.yaml."""
+        directory = copy_workers(self)
+        shared = os.path.join(directory, "shared.yaml")
+        with open(shared) as f:
+            text = f.read()
+        with open(shared, "w") as f:
+            f.write(text.replace("persister2: {host: 127.0.0.1, port: 9095}", "persister2: {host: 127.0.0.1, port: 9094}"))
+        with self.assertRaises(ConfigError) as cm:
+            ctl.discover(directory, [])
+        self.assertEqual((cm.exception.path, cm.exception.key), (shared, "instance_map.persister2.port"))
+        self.assertIn("already used by persister1", str(cm.exception))
+
+    def test_metrics_listener_on_the_hub_port(self):
+        """A worker's listener on the master's hub port is named in the worker's file."""
+        directory = copy_workers(self)
+        path = os.path.join(directory, "cache_invalidator1.yaml")
+        with open(path) as f:
+            text = f.read()
+        with open(path, "w") as f:
+            f.write(text.replace("tcp:9105", "tcp:9092"))
+        with self.assertRaises(ConfigError) as cm:
+            ctl.discover(directory, [])
+        self.assertEqual((cm.exception.path, cm.exception.key), (path, "listeners[0].endpoint"))
+        self.assertIn("master", str(cm.exception))
+        self.assertIn("replication.hub.port", str(cm.exception))
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _environ() -> dict[str, str]:
+    return dict(os.environ, SYNFLOW_VENV=sys.prefix)
+
+
+class ScriptTest(SynchronousTestCase):
+    """scripts/synflowctl itself, run from another directory."""
+
+    def setUp(self) -> None:
+        if not os.path.exists(os.path.join(sys.prefix, ".synflow-install-stamp")):
+            self.skipTest(f"the virtualenv {sys.prefix} was not made by scripts/_venv.sh (the script would reinstall into it)")
+
+    def run_ctl(self, *args: str, cwd: str) -> subprocess.CompletedProcess:
+        return subprocess.run([SYNFLOWCTL, *args], capture_output=True, text=True, cwd=cwd, env=_environ(), timeout=120)
+
+    def test_config_error_is_one_line(self):
+        """A config error prints one line naming the file and key, no traceback, and exits 78."""
+        directory = copy_workers(self)
+        write(directory, "persister2.yaml", "app: event_persister\ninstance_name: persister2\nlog_levl: DEBUG\n")
+        result = self.run_ctl("status", os.path.basename(directory), cwd=os.path.dirname(directory))
+        self.assertEqual(result.returncode, 78, result.stderr)
+        self.assertEqual(result.stdout, "")
+        lines = [line for line in result.stderr.splitlines() if not line.startswith("==> ")]
+        self.assertEqual(len(lines), 1, result.stderr)
+        self.assertTrue(lines[0].startswith("synflowctl: configuration error: "), lines[0])
+        self.assertIn(f"{os.path.basename(directory)}/persister2.yaml: log_levl: unknown key", lines[0])
+        self.assertNotIn("Traceback", result.stderr)
+
+    def test_relative_paths_from_another_directory(self):
+        """A relative DIR and --config given from another directory are found there."""
+        directory = copy_workers(self)
+        parent = os.path.dirname(directory)
+        shutil.copy(os.path.join(WORKERS, "production.yaml"), os.path.join(parent, "overlay.yaml"))
+        result = self.run_ctl("status", os.path.basename(directory), "--config", "overlay.yaml", cwd=parent)
+        self.assertEqual(result.returncode, 3, result.stdout + result.stderr)  # 3: not every process is healthy
+        lines = result.stdout.splitlines()
+        self.assertEqual(lines[0].split(), list(ctl.STATUS_HEADER))
+        self.assertEqual(len(lines), 6)
+        for line in lines[1:]:
+            self.assertIn("stopped", line)
+
+
+class StatusStopRestartTest(SynchronousTestCase):
+    """status, stop and restart against stand-in processes and /health endpoints."""
+
+    def setUp(self) -> None:
+        self.ports = {"master": free_port(), "p1": free_port(), "p2": free_port()}
+        self.directory = small_deployment(self, self.ports)
+        self.procs = ctl.discover(self.directory, [])
+        self.sleepers: list[int] = []
+        self.addCleanup(self.kill_sleepers)
+
+    def kill_sleepers(self) -> None:
+        for pid in self.sleepers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def serve_health(self, positions: dict[str, dict[str, int]]) -> None:
+        for port in self.ports.values():
+            self.addCleanup(FakeHealth(port, positions).close)
+
+    def run_sleepers(self) -> dict[str, subprocess.Popen]:
+        """One child process per process of the deployment, its pid in the pidfile."""
+        children = {}
+        for proc in self.procs:
+            child = subprocess.Popen(["sleep", "120"])
+            self.sleepers.append(child.pid)
+            children[proc.name] = child
+            os.makedirs(os.path.dirname(proc.pid_file), exist_ok=True)
+            with open(proc.pid_file, "w") as f:
+                f.write(f"{child.pid}\n")
+        return children
+
+    def test_status_table(self):
+        """The status table has its header, the full /metrics URL and every stream's positions for each process."""
+        self.run_sleepers()
+        self.serve_health({"events": {"p1": 12, "p2": 9}, "caches": {"master": 3, "p1": 1}, "empty": {}})
+        out = io.StringIO()
+        self.assertEqual(ctl.status(self.procs, out), 0)
+        lines = out.getvalue().splitlines()
+        self.assertEqual(lines[0].split(), ["instance", "app", "pid", "health", "metrics", "positions"])
+        self.assertEqual(len(lines), 4)
+        for proc, line in zip(self.procs, lines[1:], strict=True):
+            pid = ctl.pid_of(proc)
+            cells = line.split(None, 5)
+            self.assertEqual(cells[:4], [proc.name, proc.config.app, str(pid), "healthy"])
+            listener = proc.config.listener("metrics")
+            port = ctl.listener_port(listener.endpoint) if listener else self.ports[proc.name]
+            self.assertEqual(cells[4], f"http://127.0.0.1:{port}/metrics")
+            self.assertEqual(cells[5], "caches: master=3 p1=1; events: p1=12 p2=9")
+
+    def test_status_of_a_stopped_deployment(self):
+        """With nothing running, every row says stopped and status exits 3."""
+        out = io.StringIO()
+        self.assertEqual(ctl.status(self.procs, out), 3)
+        for line in out.getvalue().splitlines()[1:]:
+            self.assertEqual(line.split()[2:4], ["-", "stopped"])
+
+    def test_stop_in_reverse_order(self):
+        """stop signals the processes in reverse start order, waits for each, and removes its pidfile."""
+        children = self.run_sleepers()
+        out = io.StringIO()
+        self.assertEqual(ctl.stop(self.procs, out), 0)
+        stopped = [line.split()[0] for line in out.getvalue().splitlines()]
+        self.assertEqual(stopped, [p.name for p in reversed(self.procs)])
+        self.assertEqual(stopped[-1], "master")
+        for proc in self.procs:
+            self.assertFalse(_exists(children[proc.name].pid), proc.name)  # stop waited for it (and reaped it)
+            self.assertFalse(os.path.exists(proc.pid_file))
+
+    def test_restart(self):
+        """restart stops every running process in reverse order, then starts each through twistd (master first) until healthy."""
+        old = self.run_sleepers()
+        self.serve_health({"events": {"p1": 1, "p2": 1}})
+        fake = os.path.abspath(self.mktemp()) + "-twistd"
+        with open(fake, "w") as f:
+            f.write(f"#!{sys.executable}\n" + textwrap.dedent("""\
+                # Stands in for twistd: records its arguments, leaves a detached process behind, exits 0.
+                import subprocess, sys
+                args = sys.argv[1:]
+                pidfile, logfile = args[args.index("--pidfile") + 1], args[args.index("--logfile") + 1]
+                child = subprocess.Popen(["sleep", "120"], start_new_session=True, stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                with open(pidfile, "w") as f:
+                    f.write(str(child.pid))
+                with open(logfile, "a") as f:
+                    f.write(" ".join(args) + "\\n")
+            """))
+        os.chmod(fake, 0o755)
+        self.patch(ctl, "twistd", lambda: fake)
+        out = io.StringIO()
+        self.patch(sys, "stdout", out)
+        self.assertEqual(ctl.main(["restart", self.directory]), 0)
+        lines = out.getvalue().splitlines()
+        names = [p.name for p in self.procs]
+        self.assertEqual([line.split()[0] for line in lines], list(reversed(names)) + names)
+        self.assertTrue(all(line.endswith("stopped") for line in lines[:3]), lines)
+        for proc in self.procs:
+            self.assertFalse(_exists(old[proc.name].pid), proc.name)
+            new = ctl.pid_of(proc)
+            self.assertIsNotNone(new)
+            self.sleepers.append(new)
+            self.assertNotEqual(new, old[proc.name].pid)
+            self.assertIn(f"healthy (pid {new})", out.getvalue())
+            with open(proc.log_file) as f:
+                argv = f.read().split()
+            self.assertEqual(argv, ["--pidfile", proc.pid_file, "--logfile", proc.log_file, "synflow",
+                                    "--config", proc.files[0], "--config", proc.files[1]])
