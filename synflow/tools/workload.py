@@ -129,6 +129,10 @@ class Workload:
         self.visible_at: dict[str, float] = {}
         self.send_latencies: list[float] = []
         self.send_errors = 0
+        #: Attempts that failed (5xx, 429 or a connection error) and were retried with the same txn_id.
+        self.send_retries = 0
+        #: txn_id -> room of every send retried at least once.
+        self.retried: dict[str, str] = {}
         self.send_seconds = 0.0
         self._stop_syncing = False
 
@@ -215,7 +219,8 @@ class Workload:
     async def _send(self, room_id: str, sender: UserState, url: str, n: int, done: list[int]) -> None:
         t0 = time.monotonic()
         txn = f"{self.name_prefix}-{n}"
-        for attempt in range(5):
+        attempts = 5
+        for attempt in range(attempts):
             try:
                 result = await sender.client.at(url).send(room_id, {"body": f"message {n}", "n": n}, txn)
                 break
@@ -225,6 +230,9 @@ class Workload:
                     return
             except Exception:
                 pass
+            if attempt + 1 < attempts:
+                self.send_retries += 1
+                self.retried[txn] = room_id
             await deferLater(reactor, 0.2 * (attempt + 1), lambda: None)
         else:
             self.send_errors += 1

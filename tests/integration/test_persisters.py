@@ -14,7 +14,7 @@ from twisted.trial.unittest import TestCase
 from synflow.sharding import shard_for
 from synflow.tools.client import ApiError, Client
 from synflow.tools.workload import Workload
-from tests.cluster import Cluster, free_port, sleep
+from tests.cluster import Cluster, DroppingProxy, free_port, sleep, wait_until
 
 WRITERS = ("persister1", "persister2")
 
@@ -42,12 +42,18 @@ class PersisterMixin:
     timeout = 400
 
     @inlineCallbacks
-    def start(self):
+    def start(self, hub_proxy: bool = False):
+        """Master, persister1 (with a client listener) and persister2; ``hub_proxy`` puts persister1's hub link behind a DroppingProxy."""
         cluster = Cluster(self, engine=self.engine, transport=self.transport, writers=WRITERS)
         ports = {"master": free_port(), "persister1": free_port()}
         listeners = {name: [{"resources": ["client"], "endpoint": f"tcp:{p}:interface=127.0.0.1"}] for name, p in ports.items()}
         yield cluster.start_master(listeners=listeners["master"])
-        cluster.start_twistd("persister1", "event_persister", listeners=listeners["persister1"])
+        extra = {}
+        if hub_proxy:
+            self.proxy = DroppingProxy("127.0.0.1", cluster.hub_port)
+            self.addCleanup(self.proxy.close)
+            extra = {"replication": {"hub": {"host": "127.0.0.1", "port": self.proxy.listen()}}}
+        cluster.start_twistd("persister1", "event_persister", listeners=listeners["persister1"], **extra)
         cluster.start_twistd("persister2", "event_persister")
         for name, port in (("persister1", ports["persister1"]), ("persister2", cluster.instance_ports["persister2"])):
             yield cluster.wait_for_port(port, name)
@@ -106,18 +112,27 @@ class PersisterMixin:
 
     @inlineCallbacks
     def test_read_your_writes_across_processes(self):
-        """An event sent through one process is returned by a sync on another from the send's token."""
+        """A sent event is returned at once by a sync from the send's token on the sending process, and on another."""
         yield self.start()
         pool_workload = Workload(self.urls, users=1, rooms=0)
         self.addCleanup(lambda: ensureDeferred(pool_workload.close()))
         a = Client(self.urls[1], pool_workload.pool)
         yield ensureDeferred(a.register("ryw"))
         b = a.at(self.urls[0])
+        owners = set()
         for i in range(20):
-            room = yield ensureDeferred(a.create_room())
-            sent = yield ensureDeferred(a.send(room, {"body": f"ryw {i}"}, f"t{i}"))
-            result = yield ensureDeferred(b.sync(since=sent["token"], timeout_ms=10_000))
-            self.assertEqual(result["events"][0]["event_id"], sent["event_id"])
+            # Both directions: the reading process is sometimes the hub and sometimes behind it.
+            sender, other = (a, b) if i % 2 == 0 else (b, a)
+            room = yield ensureDeferred(sender.create_room())
+            owners.add(shard_for(room, list(WRITERS)))
+            sent = yield ensureDeferred(sender.send(room, {"body": f"ryw {i}"}, f"t{i}"))
+            # The sending process waited (over internal RPC) until it had seen the
+            # event before answering, so even a timeout=0 sync there returns it.
+            here = yield ensureDeferred(sender.sync(since=sent["token"], timeout_ms=0))
+            self.assertEqual([e["event_id"] for e in here["events"]][:1], [sent["event_id"]], f"send {i}")
+            there = yield ensureDeferred(other.sync(since=sent["token"], timeout_ms=10_000))
+            self.assertEqual(there["events"][0]["event_id"], sent["event_id"])
+        self.assertEqual(owners, set(WRITERS))
 
     @inlineCallbacks
     def test_malformed_since_keeps_serving(self):
@@ -148,8 +163,15 @@ class PersisterMixin:
         sending = ensureDeferred(workload.send_messages())
         while sum(len(v) for v in workload.sent.values()) < 300:
             yield sleep(0.1)
+        # The kill lands while sends are in flight: the send phase is still running.
+        self.assertFalse(sending.called, "the sends finished before the kill")
+        sent_at_kill = sum(len(v) for v in workload.sent.values())
+        self.assertLess(sent_at_kill, 900)
         cluster.kill("persister2")
-        yield sleep(1.0)
+        # Down for longer than an internal RPC call retries a refused connection
+        # (about 3 s of backoff), so sends to persister2's rooms fail back to
+        # their clients, which retry them with the same txn_id.
+        yield sleep(5.0)
         cluster.start_twistd("persister2", "event_persister")
         yield cluster.wait_for_port(cluster.instance_ports["persister2"], "persister2")
         yield sending
@@ -165,13 +187,51 @@ class PersisterMixin:
         # Retries with the same txn_id never made a second copy of a message.
         bodies = [b for b in message_numbers(cluster)]
         self.assertEqual(len(bodies), len(set(bodies)), "a retried send was persisted twice")
-        self.assertGreater(workload.send_errors + report.sent, 0)
+        # Clients saw errors for persister2's rooms and retried them with the same txn_id.
+        self.assertGreater(workload.send_retries, 0)
+        retried_owners = {shard_for(room, list(WRITERS)) for room in workload.retried.values()}
+        self.assertIn("persister2", retried_owners)
+        self.assertGreater(report.sent, sent_at_kill)
         self.assertEqual((report.lost, report.duplicated, report.order_mismatches), (0, 0, 0), report.as_dict())
 
 
 class SqliteTcpPersisterTest(PersisterMixin, TestCase):
     engine = "sqlite"
     transport = "tcp"
+
+    @inlineCallbacks
+    def test_read_your_writes_on_a_lagging_process(self):
+        """With persister1 cut off from replication, read-your-writes holds for sends through it and syncs on it."""
+        cluster = yield self.start(hub_proxy=True)
+        w = Workload(self.urls, users=1, rooms=0)
+        self.addCleanup(lambda: ensureDeferred(w.close()))
+        master = Client(self.urls[0], w.pool)
+        yield ensureDeferred(master.register("lag"))
+        lagging = master.at(self.urls[1])
+        for i in range(6):
+            room = None
+            while room is None or shard_for(room, list(WRITERS)) != "persister2":
+                room = yield ensureDeferred(master.create_room())
+            yield wait_until(lambda: self.proxy.live, 30, "persister1 to be connected to the hub")
+            # persister1 loses the hub (it reconnects after ~0.1 s), and with it the event sent now.
+            self.assertGreaterEqual(self.proxy.drop_all(), 1)
+            if i % 2 == 0:
+                # Sent through persister1: its RPC to persister2 returns only once persister1
+                # has seen the event (after reconnecting), so a timeout=0 sync there has it.
+                sent = yield ensureDeferred(lagging.send(room, {"body": f"lag {i}"}, f"t{i}"))
+                result = yield ensureDeferred(lagging.sync(since=sent["token"], timeout_ms=0))
+                got = [e["event_id"] for e in result["events"]]
+            else:
+                # Sent elsewhere: timeout=0 on persister1 cannot wait for an event it has not
+                # received, but its next_batch must not pass it; the chain's next sync returns it.
+                sent = yield ensureDeferred(master.send(room, {"body": f"lag {i}"}, f"t{i}"))
+                first = yield ensureDeferred(lagging.sync(since=sent["token"], timeout_ms=0))
+                got = [e["event_id"] for e in first["events"]]
+                if not got:
+                    later = yield ensureDeferred(lagging.sync(since=first["next_batch"], timeout_ms=10_000))
+                    got = [e["event_id"] for e in later["events"]]
+            self.assertEqual(got[:1], [sent["event_id"]], f"send {i}")
+        cluster.check_alive("master", "persister1", "persister2")
 
 
 class PostgresRedisPersisterTest(PersisterMixin, TestCase):
