@@ -205,8 +205,7 @@ class ClientApi(JsonResource):
         if not isinstance(typing, bool):
             raise HttpApiError(400, "M_BAD_JSON", "typing must be true or false")
         self._rate_limit(requester.user_id)
-        # Cached reads: typing is frequent, and the caches are never stale past this process's position.
-        if requester.user_id not in await self.store.get_users_in_room(room_id):
+        if await self.store.get_membership(room_id, requester.user_id) != "join":
             raise HttpApiError(403, "M_FORBIDDEN", f"{requester.user_id} is not joined to room {room_id}")
         hosts = [h for h in await self.store.get_current_hosts_in_room(room_id) if h != self.server_name]
         if hosts and self.queue_edus is not None:
