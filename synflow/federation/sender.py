@@ -175,6 +175,17 @@ class FederationSender(Service):
             return succeed(None)
         return self.queue(server).reset_backoff()
 
+    def wake_outstanding(self) -> Deferred[None]:
+        """Wake every owned destination the store reports as behind ``events_position()`` now.
+
+        :meth:`start` and the periodic wake-up do this too; the events
+        follower calls it once it knows how far the events stream was
+        processed, which may be after :meth:`start` ran.
+        """
+        if self._stopping:
+            return succeed(None)
+        return self._wake_outstanding()
+
     # -- lifecycle --------------------------------------------------------------------
 
     def start(self) -> Deferred[None]:

@@ -64,12 +64,19 @@ class EventsFollower:
         self.pdus_fed = 0
 
     async def start(self, sender: FederationSender) -> None:
+        """Resume from the saved position (else from the stream's current one) and follow the stream.
+
+        Once the position is known, the sender is asked to wake the
+        destinations still behind it: the sender's own start-up wake-up may
+        have run before, when the position was not known yet.
+        """
         self.sender = sender
         saved = await self.store.get_stream_position("events", self.instance_name)
         current = self.handler.positions("events")
+        await self.instances.load()
+        await self.instances.ids_for(sorted(current))
         if saved is not None:
             token = StreamToken.parse(saved)
-            await self.instances.load()
             for name in current:
                 iid = self.instances.by_name.get(name)
                 self.processed[name] = token.get(iid) if iid is not None else token.minimum
@@ -80,6 +87,9 @@ class EventsFollower:
         for name, pos in current.items():
             self._on_position(name, pos)
         self._timer = self.clock.callLater(PERSIST_INTERVAL_S, self._persist)
+        sender.wake_outstanding().addErrback(
+            lambda f: logger.warning("federation start-up wake-up: %s", f.getErrorMessage())
+        )
 
     def stop(self) -> Deferred[Any]:
         if self._timer is not None and self._timer.active():
@@ -93,8 +103,7 @@ class EventsFollower:
         return StreamToken.from_positions(known) if known else StreamToken.at(0)
 
     def _on_position(self, instance: str, token: int) -> None:
-        if token > self.target.get(instance, 0):
-            self.target[instance] = token
+        self.target[instance] = max(token, self.target.get(instance, 0))
         self.processed.setdefault(instance, 0)
         if instance not in self._working and self.processed[instance] < self.target[instance]:
             self._working.add(instance)

@@ -84,11 +84,17 @@ def message(room: str, sender: str, body: str) -> EventSpec:
     return EventSpec(room, "m.room.message", sender, {"body": body}, origin=SERVER, origin_server_ts=5)
 
 
-async def until(predicate: Callable[[], object], what: str, timeout: float = 15.0) -> None:
-    """Wait (on the real reactor: database work runs on threads) until ``predicate()`` is true."""
+async def until(predicate: Callable[[], object], what: str, timeout: float = 15.0,
+                show: Callable[[], object] | None = None) -> None:
+    """Wait (on the real reactor: database work runs on threads) until ``predicate()`` is true.
+
+    Raises:
+        AssertionError: not true within ``timeout`` seconds (with ``show()``, if given).
+    """
     for _ in range(int(timeout / 0.01)):
         if predicate():
             return
         await deferLater(reactor, 0.01, lambda: None)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    seen = f"; got {show()}" if show is not None else ""
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}{seen}")
 
