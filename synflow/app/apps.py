@@ -29,6 +29,7 @@ from synflow.caching import (
     open_tier,
     tier_prefix,
 )
+from synflow.config import Transport
 from synflow.errors import HttpApiError
 from synflow.events.persist import EventPersister, PersistResult
 from synflow.events.router import EventRouter, serve_persist
@@ -256,13 +257,24 @@ class SynflowProcess(ProcessService):
     # -- health -------------------------------------------------------------------------
 
     def health_problems(self) -> list[str]:
+        """Why ``/health`` answers 503: empty once started, replicating and reaching the database."""
         problems = []
         if not self.started:
             problems.append(self.failure or "starting")
         transport = self.replication.transport if self.replication else None
         if transport is not None and not getattr(transport, "connected", True):
-            problems.append("not connected to replication")
+            problems.append(f"not connected to replication ({self.replication_address()})")
+        if self.db_probe is not None and self.db_probe.problem is not None:
+            problems.append(self.db_probe.problem)
         return problems
+
+    def replication_address(self) -> str:
+        """Where this process replicates through, for health messages."""
+        replication = self.config.replication
+        if replication.transport is Transport.REDIS:
+            redis = replication.redis
+            return f"redis {redis.path or f'{redis.host}:{redis.port}'}"
+        return f"hub {replication.hub.host}:{replication.hub.port}"
 
     def health_details(self) -> dict[str, Any]:
         details: dict[str, Any] = {"instance": self.config.instance_name, "app": self.config.app}

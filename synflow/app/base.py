@@ -4,7 +4,8 @@
 ``startService`` returns at once and runs the start-up asynchronously: open
 the database; on the master apply migrations, on a worker wait (bounded) for
 the schema the master applies; load instance IDs; assemble replication; then
-let the app type add its own services (:meth:`ProcessService.setup_app`).
+let the app type add its own services (:meth:`ProcessService.setup_app`),
+beside a :class:`~synflow.app.services.DatabaseProbe` that ``/health`` reads.
 If start-up fails, the reason is logged in one line and the process exits
 non-zero. ``stopService`` stops the app's services, then replication (which
 persists positions), then closes the database and the audit log.
@@ -22,6 +23,7 @@ from twisted.application.service import MultiService
 from twisted.internet.defer import Deferred, succeed
 
 from synflow.app.replication import Replication, setup_replication
+from synflow.app.services import DatabaseProbe
 from synflow.audit import AuditLog
 from synflow.config import SynflowConfig
 from synflow.errors import SynflowError
@@ -36,8 +38,8 @@ def database_config(config: SynflowConfig) -> DatabaseConfig:
     """The storage layer's config from the ``database:`` section."""
     section = {k: v for k, v in attrs.asdict(config.database).items()
                if v is not None and k != "repair_positions"}
-    if section.get("engine", "sqlite") == "sqlite" and "path" not in section:
-        section["path"] = os.path.join(config.data_dir, "synflow.db")
+    if section.get("engine", "sqlite") == "sqlite":
+        section["path"] = config.database_path
     return DatabaseConfig.from_dict(section)
 
 
@@ -59,6 +61,7 @@ class ProcessService(MultiService):
         self.audit: AuditLog | None = None
         self.instances: InstanceMap | None = None
         self.replication: Replication | None = None
+        self.db_probe: DatabaseProbe | None = None
         self.app_services = MultiService()
         self.ready: Deferred[ProcessService] = Deferred()
         self.started = False
@@ -73,10 +76,12 @@ class ProcessService(MultiService):
         config = self.config
         os.makedirs(config.data_dir, exist_ok=True)
         self.audit = AuditLog(
-            config.audit.dir, config.instance_name, self.reactor,
+            config.audit_dir, config.instance_name, self.reactor,
             max_bytes=config.audit.max_bytes, enabled=config.audit.enabled,
         )
         db = self.db = Database(self.reactor, database_config(config))
+        self.db_probe = DatabaseProbe(db, self.reactor)
+        self.db_probe.setServiceParent(self.app_services)
         if config.app == "master":
             version = await prepare_database(db, apply=True)
         else:
