@@ -5,26 +5,37 @@
   :class:`~synflow.federation.interfaces.DestinationStore`);
 * :class:`FakeTransport` -- records every transaction and answers from a
   script (succeed, fail, or hold until released);
+* :class:`TreqRemote` -- the same recording and script, as a remote server's
+  ``/send`` resource behind the real
+  :class:`~synflow.federation.transport.TreqFederationTransport` on
+  :class:`treq.testing.StubTreq` (``Harness(treq=True)``);
 * :class:`Events` -- a multi-writer events stream with a shared sequence and
   per-writer completion, producing :class:`Pdu` values;
-* :class:`Harness` -- a :class:`FederationSender` on a ``Clock`` over the fakes.
+* :class:`Harness` -- a :class:`FederationSender` on a ``Clock`` over the fakes
+  (or over treq and :class:`TreqRemote`).
 """
 
 from __future__ import annotations
 
+import json
 import random
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
+from urllib.parse import unquote
 
 import attrs
+from treq.testing import StubTreq
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.task import Clock
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET
 
 from synflow.config import BackoffSection, FederationConfig
 from synflow.federation.interfaces import DestinationRecord, Edu, Pdu, TransactionFailed
 from synflow.federation.policy import RetryState
 from synflow.federation.sender import FederationSender
+from synflow.federation.transport import TreqFederationTransport
 from synflow.tokens import StreamToken
 
 LOCAL = "local.test"
@@ -181,6 +192,94 @@ def _ok(body: dict[str, Any]) -> dict[str, Any]:
     return {"pdus": {p["event_id"]: {} for p in body["pdus"]}}
 
 
+class TreqRemote(Resource):
+    """Remote servers' ``/send`` endpoint, answering like :class:`FakeTransport`'s script.
+
+    Mounted at ``/_matrix/federation/v1/send`` behind a
+    :class:`~treq.testing.StubTreq`, it sees what the real treq transport
+    sends: the destination is the request's ``Host``, the transaction ID the
+    URL's last segment (unquoted), the body the JSON sent. ``"ok"`` answers
+    200 with every PDU accepted; ``"hold"`` answers nothing until
+    :meth:`release`; an exception answers 500 with an error body; an int
+    answers that status. Requests are in flight from the moment they arrive
+    until answered.
+    """
+
+    isLeaf = True
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__()
+        self.clock = clock
+        self.stub: StubTreq | None = None
+        self.sent: list[Sent] = []
+        self.script: dict[str, list[Any]] = defaultdict(list)
+        self.default: Any = "ok"
+        self.held: list[tuple[Sent, Any]] = []
+        self.in_flight: dict[str, int] = defaultdict(int)
+        self.max_in_flight: dict[str, int] = defaultdict(int)
+
+    def render_PUT(self, request: Any) -> Any:
+        destination = request.getHeader(b"host").decode().partition(":")[0]
+        txn_id = unquote(request.postpath[-1].decode())
+        sent = Sent(destination, txn_id, json.loads(request.content.read()), self.clock.seconds())
+        self.sent.append(sent)
+        self.in_flight[destination] += 1
+        self.max_in_flight[destination] = max(self.max_in_flight[destination], self.in_flight[destination])
+        script = self.script[destination]
+        outcome = script.pop(0) if script else self.default
+        if outcome == "hold":
+            self.held.append((sent, request))
+            return NOT_DONE_YET
+        self.in_flight[destination] -= 1
+        code, reply = self._reply(sent, outcome)
+        request.setResponseCode(code)
+        request.setHeader(b"content-type", b"application/json")
+        return json.dumps(reply).encode()
+
+    def release(self, outcome: Any = "ok") -> Sent:
+        """Answer the oldest held transaction and let the client see the reply."""
+        sent, request = self.held.pop(0)
+        self.in_flight[sent.destination] -= 1
+        code, reply = self._reply(sent, outcome)
+        request.setResponseCode(code)
+        request.setHeader(b"content-type", b"application/json")
+        request.write(json.dumps(reply).encode())
+        request.finish()
+        self.flush()
+        return sent
+
+    def flush(self) -> None:
+        """Deliver what the in-memory connections hold (replies, and requests they led to)."""
+        assert self.stub is not None
+        self.stub.flush()
+
+    @staticmethod
+    def _reply(sent: Sent, outcome: Any) -> tuple[int, dict[str, Any]]:
+        if outcome == "ok":
+            return 200, _ok(sent.body)
+        if isinstance(outcome, int):
+            return outcome, {"errcode": "M_UNKNOWN", "error": f"scripted {outcome}"}
+        return 500, {"errcode": "M_UNKNOWN", "error": str(outcome)}
+
+    def to(self, destination: str) -> list[Sent]:
+        return [s for s in self.sent if s.destination == destination]
+
+    def events_to(self, destination: str) -> list[str]:
+        return [e for s in self.to(destination) for e in s.event_ids]
+
+
+def mount_send(leaf: Resource) -> Resource:
+    """A root with ``leaf`` at ``/_matrix/federation/v1/send``."""
+    root = Resource()
+    node = root
+    for name in (b"_matrix", b"federation", b"v1"):
+        child = Resource()
+        node.putChild(name, child)
+        node = child
+    node.putChild(b"send", leaf)
+    return root
+
+
 def unreachable() -> TransactionFailed:
     return TransactionFailed("connection refused", retriable=True)
 
@@ -232,7 +331,11 @@ class Harness:
     """A federation sender over the fakes, on a deterministic clock.
 
     ``events_position`` follows :attr:`position` (by default the events
-    stream's vector clock, updated by :meth:`send`).
+    stream's vector clock, updated by :meth:`send`). With ``treq=True`` the
+    sender's transport is the real :class:`TreqFederationTransport` on
+    :class:`~treq.testing.StubTreq`, and :attr:`transport` is the
+    :class:`TreqRemote` answering it (same recording and script API as
+    :class:`FakeTransport`).
     """
 
     def __init__(
@@ -246,12 +349,21 @@ class Harness:
         clock: Clock | None = None,
         transport: Any = None,
         events: Events | None = None,
+        treq: bool = False,
     ) -> None:
         self.clock = clock or Clock()
         if clock is None:
             self.clock.advance(1_000_000)
         self.store = store or FakeDestinationStore()
-        self.transport = transport if transport is not None else FakeTransport(self.clock)
+        wire: Any
+        if treq:
+            remote = TreqRemote(self.clock)
+            remote.stub = StubTreq(mount_send(remote))
+            self.transport: Any = remote
+            wire = TreqFederationTransport(remote.stub, {}, self.clock, 30.0)
+        else:
+            self.transport = transport if transport is not None else FakeTransport(self.clock)
+            wire = self.transport
         self.events = events or Events(writers)
         self.position: StreamToken = self.events.position()
         self.sent_callbacks: list[Any] = []
@@ -260,7 +372,7 @@ class Harness:
             instance_name=instance_name,
             instances=instances,
             store=self.store,
-            transport=self.transport,
+            transport=wire,
             clock=self.clock,
             rng=random.Random(1234),
             config=config or fast_config(),
@@ -289,3 +401,12 @@ class Harness:
         """Let a fresh queue finish its start-up catch-up (nothing outstanding)."""
         self.sender.wake_destination(destination)
         assert not self.sender.queue(destination).catching_up
+
+
+def release_all(testcase: Any, h: Harness, limit: int = 100) -> None:
+    """Answer held transactions (and those they lead to) until none is held; fail after ``limit``."""
+    for _ in range(limit):
+        if not h.transport.held:
+            return
+        h.transport.release()
+    testcase.fail(f"still holding transactions after {limit} replies: the queue keeps sending")

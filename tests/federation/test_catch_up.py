@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
@@ -9,7 +11,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from synflow.federation.interfaces import DestinationRecord, Pdu
 from synflow.federation.policy import RetryState
 from synflow.tokens import StreamToken
-from tests.federation.fakes import Harness, fast_config, unreachable
+from tests.federation.fakes import Harness, fast_config, release_all, unreachable
 
 REMOTE = "remote.test"
 
@@ -19,10 +21,21 @@ def delivered(h: Harness, destination: str = REMOTE) -> list[str]:
     return [p.event_id for t in h.sent_callbacks if t.destination == destination for p in t.pdus]
 
 
-class CatchUpTest(SynchronousTestCase):
+class CatchUpTests:
+    """Catch-up: latest event per room, oldest first, vector clocks.
+
+    Run twice: over FakeTransport, and over the real treq transport on StubTreq.
+    """
+
+    treq = False
+
+    def harness(self, **kwargs: Any) -> Harness:
+        """A harness over this class's transport."""
+        return Harness(treq=self.treq, **kwargs)
+
     def test_latest_event_per_room_oldest_rooms_first_then_exit(self):
         """Catch-up sends the latest event of each room, 50 rooms at a time, oldest first, then leaves."""
-        h = Harness()
+        h = self.harness()
         h.store.records[REMOTE] = DestinationRecord(REMOTE, RetryState(), StreamToken.at(0))
         first = {f"!r{i}": h.events.persist(f"!r{i}") for i in range(60)}
         latest = {f"!r{i}": h.events.persist(f"!r{i}") for i in reversed(range(60))}
@@ -43,7 +56,7 @@ class CatchUpTest(SynchronousTestCase):
 
     def test_nothing_arriving_during_catch_up_is_lost_or_sent_twice(self):
         """Events notified while catch-up runs are sent exactly once, as the latest of their room."""
-        h = Harness()
+        h = self.harness()
         h.store.records[REMOTE] = DestinationRecord(REMOTE, RetryState(), StreamToken.at(0))
         for i in range(70):
             h.store.record_pdu(h.events.persist(f"!r{i}"), [REMOTE])
@@ -58,8 +71,7 @@ class CatchUpTest(SynchronousTestCase):
         ]
         q = h.sender.queue(REMOTE)
         self.assertEqual(q.pending_pdus, 0)
-        while h.transport.held:
-            h.transport.release()
+        release_all(self, h)
         self.assertFalse(q.catching_up)
         sent = delivered(h)
         self.assertEqual(len(sent), len(set(sent)), "an event was sent twice")
@@ -73,7 +85,7 @@ class CatchUpTest(SynchronousTestCase):
 
     def test_pdu_skipped_while_the_last_read_runs_is_not_lost(self):
         """A PDU notified while the final empty read is running makes catch-up read once more."""
-        h = Harness()
+        h = self.harness()
         h.store.records[REMOTE] = DestinationRecord(REMOTE, RetryState(), StreamToken.at(0))
         h.store.hold_reads = True
         h.sender.wake_destination(REMOTE)
@@ -94,7 +106,7 @@ class CatchUpTest(SynchronousTestCase):
 
     def test_out_of_order_completion_across_writers_loses_nothing(self):
         """A slow writer's lower event completing after a faster writer's higher one is still sent."""
-        h = Harness(writers=(1, 2))
+        h = self.harness(writers=(1, 2))
         h.store.records[REMOTE] = DestinationRecord(REMOTE, RetryState(), StreamToken.at(0))
         slow = h.events.persist("!b", writer=1, complete=False)  # stream id 1, still in flight
         fast = h.send("!a", [REMOTE], writer=2)  # stream id 2, completes first
@@ -112,7 +124,7 @@ class CatchUpTest(SynchronousTestCase):
 
     def test_out_of_order_completion_during_catch_up(self):
         """With a destination down, catch-up later finds the slow writer's lower event as well."""
-        h = Harness(writers=(1, 2), config=fast_config(catch_up_after_s=15))
+        h = self.harness(writers=(1, 2), config=fast_config(catch_up_after_s=15))
         h.settle(REMOTE)
         h.transport.default = unreachable()
         h.send("!x", [REMOTE], writer=1)
@@ -132,13 +144,23 @@ class CatchUpTest(SynchronousTestCase):
 
     def test_store_breaking_the_contract_is_refused(self):
         """A store that returns an entry already covered is refused instead of looping."""
-        h = Harness()
+        h = self.harness()
         pdu = h.events.persist("!r")
         h.store.records[REMOTE] = DestinationRecord(REMOTE, RetryState(), StreamToken.at(5))
         h.store.needed = lambda d, after, upto: [pdu]  # type: ignore[method-assign]
         h.sender.wake_destination(REMOTE)
         self.assertEqual(h.transport.sent, [])
         self.assertTrue(h.sender.queue(REMOTE).catching_up)
+
+
+class CatchUpTest(CatchUpTests, SynchronousTestCase):
+    """Catch-up: latest event per room, oldest first, vector clocks (FakeTransport)."""
+
+
+class CatchUpTreqTest(CatchUpTests, SynchronousTestCase):
+    """Catch-up: latest event per room, oldest first, vector clocks (treq on StubTreq)."""
+
+    treq = True
 
 
 class Follower:

@@ -2,36 +2,48 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from twisted.trial.unittest import SynchronousTestCase
 
 from synflow.config import BackoffSection
 from synflow.federation.interfaces import DestinationRecord, TransactionFailed
 from synflow.federation.policy import RetryState
 from synflow.tokens import StreamToken
-from tests.federation.fakes import Harness, fast_config, unreachable
+from tests.federation.fakes import Harness, fast_config, release_all, unreachable
 
 REMOTE = "remote.test"
 
 
-class SingleFlightTest(SynchronousTestCase):
+class SingleFlightTests:
+    """One transaction in flight, batches of 50 PDUs and 100 EDUs, oldest first.
+
+    Run twice: over FakeTransport, and over the real treq transport on StubTreq.
+    """
+
+    treq = False
+
+    def harness(self, **kwargs: Any) -> Harness:
+        """A harness over this class's transport."""
+        return Harness(treq=self.treq, **kwargs)
+
     def test_never_two_transactions_in_flight(self):
         """While a transaction is in flight, new PDUs wait; the next goes only after the reply."""
-        h = Harness()
+        h = self.harness()
         h.settle(REMOTE)
         h.transport.default = "hold"
         for i in range(30):
             h.send(f"!r{i}", [REMOTE])
         self.assertEqual(len(h.transport.sent), 1)
         self.assertTrue(h.sender.queue(REMOTE).in_flight)
-        while h.transport.held:
-            h.transport.release()
+        release_all(self, h)
         self.assertEqual(h.transport.max_in_flight[REMOTE], 1)
         self.assertEqual([len(s.event_ids) for s in h.transport.sent], [1, 29])
         self.assertEqual(h.sender.queue(REMOTE).pending_pdus, 0)
 
     def test_120_pdus_go_out_as_50_50_20(self):
         """120 PDUs queued behind a transaction go out oldest first as 50, 50 and 20."""
-        h = Harness()
+        h = self.harness()
         h.settle(REMOTE)
         h.transport.script[REMOTE] = ["hold"]
         h.edu(REMOTE)
@@ -44,7 +56,7 @@ class SingleFlightTest(SynchronousTestCase):
 
     def test_250_edus_go_out_as_100_100_50(self):
         """250 EDUs queued behind a transaction go out oldest first as 100, 100 and 50."""
-        h = Harness()
+        h = self.harness()
         h.settle(REMOTE)
         h.transport.script[REMOTE] = ["hold"]
         h.send("!r", [REMOTE])
@@ -58,7 +70,7 @@ class SingleFlightTest(SynchronousTestCase):
 
     def test_success_records_a_vector_clock(self):
         """After PDUs from two writers are sent, last_successful has each writer's highest."""
-        h = Harness(writers=(1, 2))
+        h = self.harness(writers=(1, 2))
         h.settle(REMOTE)
         start = h.sender.queue(REMOTE).last_successful
         assert start is not None
@@ -71,10 +83,31 @@ class SingleFlightTest(SynchronousTestCase):
         self.assertEqual(h.sender.queue(REMOTE).last_successful, got)
 
 
-class BackoffTest(SynchronousTestCase):
+class SingleFlightTest(SingleFlightTests, SynchronousTestCase):
+    """One transaction in flight, batches of 50 PDUs and 100 EDUs, oldest first (FakeTransport)."""
+
+
+class SingleFlightTreqTest(SingleFlightTests, SynchronousTestCase):
+    """One transaction in flight, batches of 50 PDUs and 100 EDUs, oldest first (treq on StubTreq)."""
+
+    treq = True
+
+
+class BackoffTests:
+    """Backoff, stable transaction IDs, and the catch-up threshold.
+
+    Run twice: over FakeTransport, and over the real treq transport on StubTreq.
+    """
+
+    treq = False
+
+    def harness(self, **kwargs: Any) -> Harness:
+        """A harness over this class's transport."""
+        return Harness(treq=self.treq, **kwargs)
+
     def test_retries_back_off_with_growing_intervals_up_to_the_cap(self):
         """A failing destination is retried after 10 s, then about twice as long each time, capped at 80 s."""
-        h = Harness(config=fast_config(catch_up_after_s=3600))
+        h = self.harness(config=fast_config(catch_up_after_s=3600))
         h.settle(REMOTE)
         h.transport.default = unreachable()
         h.send("!r", [REMOTE])
@@ -94,7 +127,7 @@ class BackoffTest(SynchronousTestCase):
 
     def test_same_transaction_keeps_its_id_across_retries(self):
         """A transaction answered 500 then 200 is resent with the same ID and body; the next gets a new ID."""
-        h = Harness()
+        h = self.harness()
         h.settle(REMOTE)
         h.transport.script[REMOTE] = [TransactionFailed("HTTP 500", retriable=True), "hold"]
         h.send("!a", [REMOTE])
@@ -110,7 +143,7 @@ class BackoffTest(SynchronousTestCase):
 
     def test_backoff_survives_a_restart(self):
         """A queue created after a restart honours the backoff stored for its destination."""
-        h = Harness()
+        h = self.harness()
         now = int(h.clock.seconds() * 1000)
         h.store.records[REMOTE] = DestinationRecord(
             REMOTE, RetryState(now, 30_000, now), StreamToken.at(0)
@@ -125,7 +158,7 @@ class BackoffTest(SynchronousTestCase):
 
     def test_recovery_clears_the_stored_backoff(self):
         """The first success after failures clears the retry state in the store and flags the recovery."""
-        h = Harness()
+        h = self.harness()
         h.settle(REMOTE)
         h.transport.script[REMOTE] = [unreachable()]
         h.send("!r", [REMOTE])
@@ -136,7 +169,7 @@ class BackoffTest(SynchronousTestCase):
 
     def test_threshold_drops_the_queue_and_enters_catch_up(self):
         """Once the interval passes catch_up_after_s the in-memory PDUs and EDUs are dropped for catch-up."""
-        h = Harness(config=fast_config(catch_up_after_s=60))
+        h = self.harness(config=fast_config(catch_up_after_s=60))
         h.settle(REMOTE)
         h.transport.default = unreachable()
         for i in range(5):
@@ -144,9 +177,13 @@ class BackoffTest(SynchronousTestCase):
             h.edu(REMOTE, i)
         q = h.sender.queue(REMOTE)
         intervals = []
-        while not q.catching_up:
+        for _ in range(20):  # bounded: a build that never enters catch-up fails instead of hanging
+            if q.catching_up:
+                break
             intervals.append(q.retry.retry_interval)
             h.clock.advance(q.backoff_interval_s)
+        else:
+            self.fail(f"no catch-up after intervals {intervals}")
         self.assertGreater(q.retry.retry_interval, 60_000)
         self.assertTrue(all(i <= 60_000 for i in intervals[1:]))
         self.assertEqual((q.pending_pdus, q.pending_edus), (0, 0))
@@ -163,7 +200,7 @@ class BackoffTest(SynchronousTestCase):
 
     def test_cap_and_jitter_come_from_config(self):
         """The backoff parameters are read from federation.backoff."""
-        h = Harness(config=fast_config(backoff=BackoffSection(initial_s=2, multiplier=3, max_s=5, jitter=0)))
+        h = self.harness(config=fast_config(backoff=BackoffSection(initial_s=2, multiplier=3, max_s=5, jitter=0)))
         h.settle(REMOTE)
         h.transport.default = unreachable()
         h.send("!r", [REMOTE])
@@ -175,10 +212,31 @@ class BackoffTest(SynchronousTestCase):
         self.assertEqual(seen, [2, 5, 5, 5])
 
 
-class StopTest(SynchronousTestCase):
+class BackoffTest(BackoffTests, SynchronousTestCase):
+    """Backoff, stable transaction IDs, and the catch-up threshold (FakeTransport)."""
+
+
+class BackoffTreqTest(BackoffTests, SynchronousTestCase):
+    """Backoff, stable transaction IDs, and the catch-up threshold (treq on StubTreq)."""
+
+    treq = True
+
+
+class StopTests:
+    """Stopping waits for the transaction in flight.
+
+    Run twice: over FakeTransport, and over the real treq transport on StubTreq.
+    """
+
+    treq = False
+
+    def harness(self, **kwargs: Any) -> Harness:
+        """A harness over this class's transport."""
+        return Harness(treq=self.treq, **kwargs)
+
     def test_stop_waits_for_the_transaction_in_flight(self):
         """stop() fires only once the in-flight transaction has finished, and nothing new starts."""
-        h = Harness()
+        h = self.harness()
         h.settle(REMOTE)
         h.transport.script[REMOTE] = ["hold"]
         h.send("!a", [REMOTE])
@@ -188,3 +246,13 @@ class StopTest(SynchronousTestCase):
         h.transport.release()
         self.successResultOf(d)
         self.assertEqual(len(h.transport.sent), 1)
+
+
+class StopTest(StopTests, SynchronousTestCase):
+    """Stopping waits for the transaction in flight (FakeTransport)."""
+
+
+class StopTreqTest(StopTests, SynchronousTestCase):
+    """Stopping waits for the transaction in flight (treq on StubTreq)."""
+
+    treq = True

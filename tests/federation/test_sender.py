@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import REGISTRY
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
@@ -129,10 +131,21 @@ class StartUpTest(SynchronousTestCase):
         self.successResultOf(h.sender.stop())
 
 
-class RemoteServerUpTest(SynchronousTestCase):
+class RemoteServerUpTests:
+    """REMOTE_SERVER_UP resets the backoff and sends at once.
+
+    Run twice: over FakeTransport, and over the real treq transport on StubTreq.
+    """
+
+    treq = False
+
+    def harness(self, **kwargs: Any) -> Harness:
+        """A harness over this class's transport."""
+        return Harness(treq=self.treq, **kwargs)
+
     def test_remote_server_up_resets_backoff_and_sends_at_once(self):
         """notify_remote_server_up clears the stored backoff and sends the queue without waiting."""
-        h = Harness()
+        h = self.harness()
         h.settle(REMOTE)
         h.transport.script[REMOTE] = [unreachable(), unreachable()]
         h.send("!a", [REMOTE])
@@ -151,7 +164,7 @@ class RemoteServerUpTest(SynchronousTestCase):
 
     def test_remote_server_up_starts_catch_up_for_an_idle_destination(self):
         """REMOTE_SERVER_UP for a backed-off destination with no queue yet catches it up at once."""
-        h = Harness()
+        h = self.harness()
         now = int(h.clock.seconds() * 1000)
         h.store.records[REMOTE] = DestinationRecord(REMOTE, RetryState(now, 7_200_000, now), StreamToken.at(0))
         pdu = h.events.persist("!r")
@@ -165,10 +178,20 @@ class RemoteServerUpTest(SynchronousTestCase):
 
     def test_remote_server_up_ignores_foreign_destinations(self):
         """A sender does nothing for REMOTE_SERVER_UP of a destination it does not own."""
-        h = Harness(instances=["fs1", "fs2"], instance_name="fs1")
+        h = self.harness(instances=["fs1", "fs2"], instance_name="fs1")
         foreign = next(f"s{i}.test" for i in range(50) if not h.sender.owns(f"s{i}.test"))
         self.successResultOf(h.sender.notify_remote_server_up(foreign))
         self.assertEqual(h.sender.queues, {})
+
+
+class RemoteServerUpTest(RemoteServerUpTests, SynchronousTestCase):
+    """REMOTE_SERVER_UP resets the backoff and sends at once (FakeTransport)."""
+
+
+class RemoteServerUpTreqTest(RemoteServerUpTests, SynchronousTestCase):
+    """REMOTE_SERVER_UP resets the backoff and sends at once (treq on StubTreq)."""
+
+    treq = True
 
 
 class MetricsTest(SynchronousTestCase):

@@ -7,14 +7,20 @@ from typing import Any
 
 from OpenSSL import SSL
 from treq.testing import StubTreq
-from twisted.internet.defer import fail
+from twisted.internet import reactor, ssl
+from twisted.internet.address import IPv4Address
+from twisted.internet.defer import Deferred, fail
 from twisted.internet.error import ConnectionRefusedError
-from twisted.internet.task import Clock
+from twisted.internet.task import Clock, deferLater
 from twisted.internet.testing import MemoryReactorClock
-from twisted.trial.unittest import SynchronousTestCase
+from twisted.protocols.tls import TLSMemoryBIOFactory
+from twisted.python.failure import Failure
+from twisted.test import iosim
+from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.resource import Resource
-from twisted.web.server import NOT_DONE_YET
+from twisted.web.server import NOT_DONE_YET, Site
 
+from synflow.config import FederationConfig
 from synflow.federation.interfaces import TransactionFailed
 from synflow.federation.transport import NoVerifyPolicy, TreqFederationTransport, build_treq_client
 
@@ -145,8 +151,97 @@ class TlsTest(SynchronousTestCase):
         ip_conn = NoVerifyPolicy().creatorForNetloc(b"127.0.0.1", 443).clientConnectionForTLS(object())
         self.assertIsNone(ip_conn.get_servername())
 
-    def test_build_treq_client(self):
-        """build_treq_client returns a treq client for either setting."""
-        for verify in (True, False):
-            client = build_treq_client(MemoryReactorClock(), verify_tls=verify, persistent=False)
-            self.assertTrue(callable(client.put))
+
+
+class SelfSignedRemote(Resource):
+    """A remote's /send behind a self-signed certificate for remote.test (no subjectAltName, no trusted root)."""
+
+    isLeaf = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        key = ssl.KeyPair.generate(size=2048)
+        cert = key.selfSignedCert(1, CN="remote.test")
+        self.tls = ssl.CertificateOptions(privateKey=key.original, certificate=cert.original)
+        self.bodies: list[bytes] = []
+
+    def render_PUT(self, request: Any) -> bytes:
+        self.bodies.append(request.content.read())
+        return b'{"pdus": {}}'
+
+    async def answer(self, testcase: TestCase, clock: MemoryReactorClock, d: Deferred[Any]) -> Any:
+        """Connect the client's pending TCP attempt to this server over in-memory TLS; return ``d``'s outcome.
+
+        The TLS layer batches its writes on the global reactor, so the pump
+        yields to it between steps; no socket is opened.
+        """
+        results: list[Any] = []
+        d.addBoth(results.append)
+        (host, port, factory, _timeout, _bind), = clock.tcpClients
+        testcase.assertEqual((host, port), ("127.0.0.1", 8448))
+        client = factory.buildProtocol(IPv4Address("TCP", host, port))
+        server = TLSMemoryBIOFactory(self.tls, False, Site(self, reactor=clock)).buildProtocol(
+            IPv4Address("TCP", "127.0.0.1", 40000))
+        pump = iosim.connect(server, iosim.FakeTransport(server, isServer=True),
+                             client, iosim.FakeTransport(client, isServer=False))
+        for _ in range(100):
+            if results:
+                return results[0]
+            pump.pump()
+            clock.advance(0)
+            await deferLater(reactor, 0, lambda: None)
+        testcase.fail("no outcome after 100 pumps")
+
+
+class TlsVerificationTest(TestCase):
+    """TLS verification is on unless configured off, end to end through the real agent and a TLS server."""
+
+    def config(self, **kwargs: Any) -> FederationConfig:
+        return FederationConfig(destinations={"remote.test": "https://127.0.0.1:8448"}, **kwargs)
+
+    async def test_build_treq_client_verifies_by_default(self) -> None:
+        """The default client refuses a certificate no trusted root signed; verify_tls=False accepts it."""
+        remote = SelfSignedRemote()
+        clock = MemoryReactorClock()
+        outcome = await remote.answer(self, clock, build_treq_client(clock, persistent=False).put(
+            "https://remote.test:8448/_matrix/federation/v1/send/1", data=b"{}"))
+        self.assertIsInstance(outcome, Failure)
+        self.assertIn("certificate verify failed", str(outcome.value))
+        self.assertEqual(remote.bodies, [])
+        self.flushLoggedErrors()  # the verifier logs why it refused
+
+        clock = MemoryReactorClock()
+        outcome = await remote.answer(self, clock, build_treq_client(clock, verify_tls=False, persistent=False).put(
+            "https://remote.test:8448/_matrix/federation/v1/send/1", data=b"{}"))
+        self.assertEqual(outcome.code, 200)
+        self.assertEqual(remote.bodies, [b"{}"])
+
+    async def test_from_config_verifies_unless_configured_off(self) -> None:
+        """A transport from the federation config verifies certificates by default and not with verify_tls: false."""
+        remote = SelfSignedRemote()
+        clock = MemoryReactorClock()
+        t = TreqFederationTransport.from_config(clock, self.config())
+        outcome = await remote.answer(self, clock, t.send_transaction("remote.test", "1", BODY))
+        self.assertIsInstance(outcome, Failure)
+        outcome.trap(TransactionFailed)
+        self.assertIn("certificate verify failed", outcome.value.reason)
+        self.assertEqual(remote.bodies, [])
+        self.flushLoggedErrors()
+
+        clock = MemoryReactorClock()
+        t = TreqFederationTransport.from_config(clock, self.config(verify_tls=False))
+        outcome = await remote.answer(self, clock, t.send_transaction("remote.test", "1", BODY))
+        self.assertEqual(outcome, {"pdus": {}})
+        self.assertEqual([json.loads(b) for b in remote.bodies], [BODY])
+
+    def test_request_timeout_comes_from_config(self) -> None:
+        """federation.request_timeout_s bounds a /send exchange on the transport's reactor."""
+        clock = MemoryReactorClock()
+        t = TreqFederationTransport.from_config(clock, self.config(request_timeout_s=7.0))
+        d = t.send_transaction("remote.test", "1", BODY)  # the TCP attempt never completes
+        clock.advance(6.9)
+        self.assertNoResult(d)
+        clock.advance(0.1)
+        failure = self.failureResultOf(d, TransactionFailed)
+        self.assertEqual(failure.value.reason, "no reply within 7.0s")
+        self.assertTrue(failure.value.retriable)
