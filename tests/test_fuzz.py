@@ -1,8 +1,9 @@
 """Fuzzing everything that reads untrusted input: nothing crashes, every bad input gets its clear error.
 
 Counts of inputs tried are printed (and asserted) so a run reports how much
-was covered: at least 100 000 lines go through the parser and the
-connection core.
+was covered: at least 100 000 lines go through the parser, and at least
+100 000 lines each reach an *open* connection core (a core that closes is
+replaced by a new one, half of them already past the handshake).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from synflow.config import load_config
 from synflow.errors import ConfigError, ProtocolError, TokenError
-from synflow.replication.commands import COMMANDS, Side, parse_line
-from synflow.replication.core import Close, ConnectionCore, SendLine
+from synflow.replication.commands import COMMANDS, Side, may_send, parse_line
+from synflow.replication.core import Close, ConnectionCore, Deliver, SendLine, State
 from synflow.tokens import StreamToken
 from synflow.tools.client import ApiError, Client, new_pool
 from tests.cluster import single_master
@@ -34,7 +35,29 @@ _lines = st.one_of(
     st.builds(lambda p, rest: p.encode() + b" " + rest, _prefixes, st.binary(max_size=80)),
     st.builds(lambda p, rest: (p + " " + rest).encode("utf-8", "surrogatepass"), _prefixes, st.text(max_size=80)),
 )
-COUNTS = {"parse": 0, "core": 0, "tokens": 0, "config": 0}
+#: Well-formed lines of every command, so that fuzzed cores also get past the handshake.
+_VALID_LINES = st.sampled_from([
+    b"PING 1700000000000", b"REPLICATE", b"REPLICATE ", b"NAME w2", b"SERVER fuzz", b"ERROR oops",
+    b"POSITION events w2 1 5", b'RDATA events w2 5 ["$e:h","!r:h","m.room.message",null,"@u:h",null]',
+    b'RDATA events w2 batch ["$e:h","!r:h","m.room.message",null,"@u:h",null]', b"RDATA nosuch w2 3 []",
+    b"USER_SYNC w2 @u:h DEV start 1700000000000", b"CLEAR_USER_SYNC w2", b"FEDERATION_ACK w2 3",
+    b"REMOTE_SERVER_UP other.test", b"AUTH s3cret", b"", b"   ",
+])
+_core_lines = st.one_of(_lines, _lines, _lines, _VALID_LINES)
+#: What a peer sends first, by the side of the core it talks to.
+_HANDSHAKE = {Side.SERVER: [b"NAME w2", b"PING 1"], Side.CLIENT: [b"SERVER fuzz", b"PING 1"], Side.BOTH: []}
+COUNTS = {"parse": 0, "core": 0, "core_established": 0, "cores": 0, "tokens": 0, "config": 0}
+
+
+def _open_core(side: Side, *, handshake: bool, now: float) -> ConnectionCore:
+    """A new connected core for ``side``, optionally already past the peer's handshake lines."""
+    core = ConnectionCore(side, server_name="fuzz", instance_name="w1")
+    core.connection_made(now)
+    COUNTS["cores"] += 1
+    if handshake:
+        for line in _HANDSHAKE[side]:
+            core.line_received(line, now)
+    return core
 
 
 class ParserFuzzTest(SynchronousTestCase):
@@ -51,21 +74,31 @@ class ParserFuzzTest(SynchronousTestCase):
 
     @FUZZ
     @given(st.sampled_from([Side.SERVER, Side.CLIENT, Side.BOTH]),
-           st.lists(_lines, min_size=LINES_PER_EXAMPLE, max_size=LINES_PER_EXAMPLE))
+           st.lists(_core_lines, min_size=LINES_PER_EXAMPLE, max_size=LINES_PER_EXAMPLE))
     def test_connection_core(self, side, lines):
-        """Random lines into a connection core never raise; a close is preceded by one ERROR."""
-        core = ConnectionCore(side, server_name="fuzz", instance_name="w1")
-        core.connection_made(0.0)
-        closed = False
+        """Random lines into connection cores never raise; a close is preceded by exactly one ERROR and
+        silences the core; whatever is delivered is a command the peer may send.
+
+        A closed core is replaced by a new one (every other one already past the handshake), so every
+        line counted reached an open core.
+        """
+        core = None
         for i, line in enumerate(lines):
+            line = line.replace(b"\n", b" ")
+            if core is None or core.state is State.CLOSED:
+                core = _open_core(side, handshake=COUNTS["cores"] % 2 == 1, now=float(i))
             COUNTS["core"] += 1
-            actions = core.line_received(line.replace(b"\n", b" "), float(i))
-            if closed:
-                self.assertEqual(actions, [])
+            COUNTS["core_established"] += core.handshake_complete
+            actions = core.line_received(line, float(i))
+            for action in actions:
+                if isinstance(action, Deliver):
+                    self.assertTrue(may_send(type(action.command), side.peer), action)
             if any(isinstance(a, Close) for a in actions):
                 errors = [a for a in actions if isinstance(a, SendLine) and a.data.startswith(b"ERROR ")]
-                self.assertEqual(len(errors), 1)
-                closed = True
+                self.assertEqual(len(errors), 1, actions)
+                self.assertIs(core.state, State.CLOSED)
+                # A closed core ignores whatever still arrives (not counted: it reaches no open core).
+                self.assertEqual(core.line_received(b"PING 1", float(i)), [])
 
     def test_counts(self):
         """At least 100 000 inputs went through the parser and the core (run after the fuzz tests)."""
@@ -73,7 +106,8 @@ class ParserFuzzTest(SynchronousTestCase):
             # Run standalone: do the work here so the count holds whatever the order.
             self.test_parse_line()
             self.test_connection_core()
-        print(f"fuzzed: {COUNTS['parse']} parser inputs, {COUNTS['core']} connection-core inputs")
+        print(f"fuzzed: {COUNTS['parse']} parser inputs, {COUNTS['core']} connection-core inputs "
+              f"(each to an open core; {COUNTS['core_established']} past the handshake; {COUNTS['cores']} cores)")
         self.assertGreaterEqual(COUNTS["parse"], 100_000)
         self.assertGreaterEqual(COUNTS["core"], 100_000)
 
@@ -162,7 +196,8 @@ class HttpFuzzTest(TestCase):
         self.addCleanup(self.pool.closeCachedConnections)
 
     def test_random_requests(self):
-        """Random bodies, paths and parameters never get a 500 and never stop the server."""
+        """Random bodies, paths and parameters never get a 500 and never stop the server; every refusal
+        (client API and inbound federation) is a JSON body with ``errcode`` and ``error``."""
         return ensureDeferred(self._fuzz())
 
     async def _fuzz(self):
@@ -171,6 +206,7 @@ class HttpFuzzTest(TestCase):
         room = await user.create_room()
         anon = Client(self.url, self.pool)
         statuses: dict[int, int] = {}
+        fed_errors: dict[str, int] = {}
         paths = [
             ("POST", "/register"), ("POST", "/rooms"), ("POST", f"/rooms/{room}/join"),
             ("POST", f"/rooms/{room}/invite"), ("PUT", f"/rooms/{room}/send/m.fuzz/t"),
@@ -181,14 +217,24 @@ class HttpFuzzTest(TestCase):
         for i in range(self.REQUESTS):
             body = _random_body(rng)
             if rng.random() < 0.3:
-                fed.base_url = self.url.replace("/_synflow/client/v1", "")
                 method, path = "PUT", f"/_matrix/federation/v1/send/fz{i}"
                 try:
                     response = await fed.http.request(method, self.url + path, data=body, timeout=30)
-                    await response.content()
+                    content = await response.content()
                     code = response.code
                 except Exception as e:
                     self.fail(f"federation request {i} failed at the transport: {e!r}")
+                content_type = response.headers.getRawHeaders(b"Content-Type", [b""])[0]
+                self.assertTrue(content_type.startswith(b"application/json"), f"{path}: {content_type!r}")
+                try:
+                    reply = json.loads(content)
+                except ValueError:
+                    self.fail(f"federation request {i} got a non-JSON {code} reply: {content[:200]!r}")
+                self.assertIsInstance(reply, dict, f"{path}: {content[:200]!r}")
+                if code != 200:
+                    self.assertIsInstance(reply.get("errcode"), str, f"{path}: {code} without errcode: {reply}")
+                    self.assertIsInstance(reply.get("error"), str, f"{path}: {code} without error: {reply}")
+                    fed_errors[reply["errcode"]] = fed_errors.get(reply["errcode"], 0) + 1
             else:
                 method, path = rng.choice(paths)
                 if "send" in path:
@@ -203,5 +249,7 @@ class HttpFuzzTest(TestCase):
                     self.assertIn("errcode", e.body)
             statuses[code] = statuses.get(code, 0) + 1
             self.assertNotEqual(code, 500, f"request {i} ({method} {path}) got 500")
-        print(f"fuzzed {self.REQUESTS} HTTP requests: statuses {sorted(statuses.items())}")
+        print(f"fuzzed {self.REQUESTS} HTTP requests: statuses {sorted(statuses.items())}; "
+              f"federation errors {sorted(fed_errors.items())}")
+        self.assertTrue(fed_errors, "no federation request was refused: the fuzz did not reach /send")
         await user.send(room, {"body": "still alive"}, "final")
