@@ -43,7 +43,9 @@ def write_violations(df: DataFrame, path: str, fmt: str) -> None:
     if fmt == "parquet":
         writer.option("compression", "zstd").parquet(path)
     else:
-        writer.option("timestampFormat", "yyyy-MM-dd'T'HH:mm:ss.SSSSSSXXX").json(path)
+        # Spark's JSON writer drops null fields by default; every row carries every column.
+        (writer.option("timestampFormat", "yyyy-MM-dd'T'HH:mm:ss.SSSSSSXXX")
+         .option("ignoreNullFields", "false").json(path))
 
 
 def exit_code(counts: dict[str, int], fail_on: str) -> int:

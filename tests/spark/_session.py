@@ -1,7 +1,7 @@
 """The one SparkSession shared by every Spark test, and helpers to run the validator in it.
 
-The session is created lazily on first use (``local[2]``, two shuffle partitions, no UI, UTC)
-and never stopped between tests: starting a JVM costs 10-25 s.
+The session is created lazily on first use (``local[2]``, two shuffle partitions, no UI, UTC,
+ANSI mode on explicitly) and never stopped between tests: starting a JVM costs 10-25 s.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ def spark():
                   .config("spark.sql.shuffle.partitions", "2")
                   .config("spark.sql.adaptive.enabled", "false")
                   .config("spark.sql.session.timeZone", "UTC")
+                  .config("spark.sql.ansi.enabled", "true")
                   .config("spark.driver.memory", "2g")
                   .getOrCreate())
         _SPARK.sparkContext.setLogLevel("ERROR")
@@ -51,6 +52,12 @@ def violations(out: str) -> list[dict[str, Any]]:
         with open(path, encoding="utf-8") as fh:
             rows.extend(json.loads(line) for line in fh if line.strip())
     return rows
+
+
+def parquet_violations(out: str) -> tuple[list[dict[str, Any]], Any]:
+    """The violation rows and their schema under ``out/violations`` (Parquet output), read by Spark."""
+    df = spark().read.parquet(os.path.join(out, "violations"))
+    return [r.asDict() for r in df.collect()], df.schema
 
 
 def summary(out: str) -> dict[str, Any]:

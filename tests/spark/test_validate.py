@@ -1,8 +1,9 @@
 """End-to-end runs of the Spark job on generated logs: recall and precision for every check.
 
-One corpus with every anomaly injected is generated once and validated once per format (JSON
-Lines and Parquet); the tests then inspect those two runs. Clean logs are validated end to end
-by ``test_cli``.
+One corpus with every anomaly injected is generated once and validated once per input format:
+JSON Lines (writing JSONL violations) and Parquet (writing Parquet violations with
+``--output-format parquet``); the tests then inspect those two runs. A clean corpus is validated
+as Parquet here; clean JSONL without ``seq`` is validated end to end by ``test_cli``.
 """
 
 from __future__ import annotations
@@ -16,14 +17,28 @@ from collections import defaultdict
 
 from twisted.trial.unittest import TestCase
 
-from spark.checks import BY_NAME, CHECK_NAMES, violation_key
+from spark.checks import BY_NAME, CHECK_NAMES, OUTPUT_COLUMNS, violation_key
 from spark.generate import Config, generate, write_jsonl
 from spark.inject import expected_keys
-from tests.spark._session import spark, summary, validate, violations
+from tests.spark._session import parquet_violations, spark, summary, validate, violations
 
 _ROOT = tempfile.mkdtemp(prefix="synflow-spark-tests-")
 atexit.register(shutil.rmtree, _ROOT, True)
 CORPUS = Config(facts=1000, cache_facts=100, readers=4, tokens_per_reader=50, seed=7)
+
+#: The check names and severities as the issue spells them (not taken from spark.checks).
+ISSUE_CHECKS = {
+    "malformed_token": "error", "noncanonical_component": "warning", "broken_chain": "warning",
+    "duplicate_stream_id": "error", "duplicate_event_id": "error", "invalid_interval": "error",
+    "writer_sid_regression": "error", "sharding_violation": "error",
+    "unresolved_reservation": "warning", "gap_skip": "error", "future_position": "error",
+    "non_monotonic": "error", "phantom_delivery": "error", "aborted_delivery": "error",
+    "premature_delivery": "error", "duplicate_delivery": "error", "delivered_beyond_token": "error",
+    "undelivered": "error",
+}
+#: The columns the issue requires in every violation row.
+ISSUE_COLUMNS = ("check", "severity", "stream", "reader", "seq", "token", "writer", "stream_id",
+                 "event_id", "room_id", "explanation")
 
 
 @functools.cache
@@ -36,15 +51,20 @@ def _corpus():
 
 @functools.cache
 def _run(fmt: str):
+    """Validate the injected corpus in ``fmt``; Parquet input also writes Parquet violations."""
     corpus, base = _corpus()
     logs = os.path.join(base, fmt)
+    out = os.path.join(base, f"out-{fmt}")
     if fmt == "parquet":
         from spark.inputs import convert_to_parquet
 
         convert_to_parquet(spark(), os.path.join(base, "jsonl"), logs)
-    out = os.path.join(base, f"out-{fmt}")
-    code = validate(logs, out)
-    return corpus, code, violations(out), summary(out), out
+        code = validate(logs, out, "--output-format", "parquet")
+        rows, _ = parquet_violations(out)
+    else:
+        code = validate(logs, out)
+        rows = violations(out)
+    return corpus, code, rows, summary(out), out
 
 
 class InjectedCorpusTests(TestCase):
@@ -68,6 +88,8 @@ class InjectedCorpusTests(TestCase):
             missing, extra = expected[check] - got[check], got[check] - expected[check]
             self.assertEqual((missing, extra), (set(), set()), f"{fmt} {check}: recall/precision")
         self.assertEqual(code, 1)
+        # The output spells every check and severity as the issue does.
+        self.assertEqual({r["check"]: r["severity"] for r in rows}, ISSUE_CHECKS)
 
     def test_jsonl_recall_and_precision(self):
         """On JSON Lines, each check reports exactly its injected violations (recall and precision 1.0)."""
@@ -78,9 +100,11 @@ class InjectedCorpusTests(TestCase):
         self._assert_exact("parquet")
 
     def test_rows_are_complete_and_explained(self):
-        """Every violation row has the output columns, its severity and an explanation naming the witness."""
+        """Every JSONL violation row carries every output column (nulls written), its severity and an explanation."""
         _, _, rows, _, _ = _run("jsonl")
         for r in rows:
+            self.assertEqual(list(r), list(OUTPUT_COLUMNS), r["check"])
+            self.assertEqual([c for c in ISSUE_COLUMNS if c not in r], [])
             self.assertEqual(r["severity"], BY_NAME[r["check"]].severity.value)
             self.assertGreater(len(r.get("explanation", "")), 40)
             for col in BY_NAME[r["check"]].key:
@@ -103,3 +127,41 @@ class InjectedCorpusTests(TestCase):
         self.assertIn("FAILED", report)
         for check in CHECK_NAMES:
             self.assertIn(f"## {check} (", report)
+
+    def test_parquet_output(self):
+        """`--output-format parquet` writes Parquet violation files with every output column and its type."""
+        from spark.common import OUTPUT_TYPES
+
+        _, _, rows, _, out = _run("parquet")
+        files = [f for f in os.listdir(os.path.join(out, "violations")) if not f.startswith((".", "_"))]
+        self.assertTrue(files)
+        self.assertTrue(all(f.endswith(".parquet") for f in files), files)
+        _, schema = parquet_violations(out)
+        self.assertEqual([(f.name, f.dataType) for f in schema.fields],
+                         [(c, OUTPUT_TYPES[c]) for c in OUTPUT_COLUMNS])
+        jsonl = _run("jsonl")[2]
+        self.assertEqual(sorted(violation_key(r["check"], r) for r in rows),
+                         sorted(violation_key(r["check"], r) for r in jsonl))
+
+
+class CleanParquetTests(TestCase):
+    """Clean logs in Parquet validate clean."""
+
+    def test_clean_parquet_exits_zero(self):
+        """A clean generated corpus converted to Parquet exits 0 with zero violations and counts pending facts."""
+        from spark.inputs import convert_to_parquet
+
+        base = os.path.join(_ROOT, "clean")
+        write_jsonl(generate(Config(facts=600, cache_facts=60, readers=3, tokens_per_reader=40,
+                                    inject=False, seed=9)), os.path.join(base, "jsonl"))
+        convert_to_parquet(spark(), os.path.join(base, "jsonl"), os.path.join(base, "parquet"))
+        out = os.path.join(base, "out")
+        code = validate(os.path.join(base, "parquet"), out, "--fail-on", "warning")
+        s = summary(out)
+        self.assertEqual(code, 0, s.get("error"))
+        self.assertEqual(s["inputs"]["writer_logs"]["format"], "parquet")
+        self.assertEqual(s["inputs"]["token_logs"]["format"], "parquet")
+        self.assertEqual(s["violations"]["total"], 0)
+        self.assertEqual({c: r["count"] for c, r in s["checks"].items()}, dict.fromkeys(CHECK_NAMES, 0))
+        self.assertEqual(violations(out), [])
+        self.assertGreater(s["pending"]["in_flight_facts"], 0)
