@@ -18,6 +18,7 @@ if not __package__:  # run as a script (spark-submit): make the `spark` package 
 import argparse
 import time
 import traceback
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from functools import reduce
 from typing import Any
@@ -36,7 +37,7 @@ from spark.checks import (
 )
 from spark.common import Context
 from spark.inputs import InputError
-from spark.load import load
+from spark.load import Inputs, load
 from spark.report import exit_code, remove, write_outputs, write_violations
 from spark.session import get_session
 
@@ -119,6 +120,37 @@ def _stage(name: str, dfs: dict[str, DataFrame], args: argparse.Namespace, summa
     progress(f"stage {name} done in {secs:.1f}s")
 
 
+def build_context(spark: SparkSession, inputs: Inputs, args: argparse.Namespace) -> Context:
+    """Parse the tokens and build the token components (both materialised) for the checks."""
+    tokens = checks_syntax.parse_tokens(inputs.tokens, inputs.instances).localCheckpoint(eager=True)
+    valid = tokens.where("valid")
+    comps = checks_syntax.components(valid, inputs.facts, inputs.instances).localCheckpoint(eager=True)
+    return Context(spark, inputs.facts, tokens, valid, inputs.deliveries, comps, inputs.instances,
+                   args.first_id, int(args.clock_skew_ms * 1000),
+                   inputs.end_of_log - int(args.unresolved_after_s * 1_000_000),
+                   max(1, int(args.bucket_s * 1_000_000)))
+
+
+def stages(ctx: Context, wanted: set[str]) -> Iterator[tuple[str, dict[str, DataFrame], DataFrame | None]]:
+    """Each stage's name, the violation frames of its wanted checks, and its pending-count frame.
+
+    Lazily: a stage's shared intermediate (the matched deliveries) is materialised only when
+    the stage is reached. The pending frame (one row, one count) is None except for
+    ``undelivered``.
+    """
+    for stage, table in (("syntax", checks_syntax.CHECKS), ("writer", checks_writer.CHECKS),
+                         ("tokens", checks_tokens.CHECKS)):
+        dfs = {n: fn(ctx) for n, fn in table.items() if n in wanted}
+        if dfs:
+            yield stage, dfs, None
+    if wanted & set(checks_delivery.CHECKS):
+        m = checks_delivery.matched(ctx).localCheckpoint(eager=True)
+        yield "delivery", {n: fn(ctx, m) for n, fn in checks_delivery.CHECKS.items() if n in wanted}, None
+    if "undelivered" in wanted:
+        df, pending = checks_delivery.undelivered(ctx)
+        yield "undelivered", {"undelivered": df}, pending
+
+
 def run_checks(spark: SparkSession, args: argparse.Namespace, summary: dict, examples: dict,
                progress: _Progress) -> None:
     """Load the input and run the selected checks, filling ``summary`` and ``examples``."""
@@ -129,28 +161,13 @@ def run_checks(spark: SparkSession, args: argparse.Namespace, summary: dict, exa
     progress(f"stage load: {inputs.stats['writer_logs']['fact_rows']} facts, "
              f"{inputs.stats['token_logs']['rows']} tokens, "
              f"{inputs.stats['token_logs']['deliveries']} deliveries")
-    tokens = checks_syntax.parse_tokens(inputs.tokens, inputs.instances).localCheckpoint(eager=True)
-    valid = tokens.where("valid")
-    comps = checks_syntax.components(valid, inputs.facts, inputs.instances).localCheckpoint(eager=True)
+    ctx = build_context(spark, inputs, args)
     summary["timings"]["load"] = round(time.monotonic() - t, 3)
-    ctx = Context(spark, inputs.facts, tokens, valid, inputs.deliveries, comps, inputs.instances,
-                  args.first_id, int(args.clock_skew_ms * 1000),
-                  inputs.end_of_log - int(args.unresolved_after_s * 1_000_000),
-                  max(1, int(args.bucket_s * 1_000_000)))
-    wanted = set(args.check_names)
-    for stage, table in (("syntax", checks_syntax.CHECKS), ("writer", checks_writer.CHECKS),
-                         ("tokens", checks_tokens.CHECKS)):
-        dfs = {n: fn(ctx) for n, fn in table.items() if n in wanted}
-        if dfs:
-            _stage(stage, dfs, args, summary, examples, progress)
-    if wanted & set(checks_delivery.CHECKS):
-        m = checks_delivery.matched(ctx).localCheckpoint(eager=True)
-        dfs = {n: fn(ctx, m) for n, fn in checks_delivery.CHECKS.items() if n in wanted}
-        _stage("delivery", dfs, args, summary, examples, progress)
-    if "undelivered" in wanted:
-        df, pending = checks_delivery.undelivered(ctx)
-        summary["pending"]["above_reader_watermark"] = pending.first()[0]
-        _stage("undelivered", {"undelivered": df}, args, summary, examples, progress)
+    for stage, dfs, pending in stages(ctx, set(args.check_names)):
+        if pending is not None:
+            row = pending.first()
+            summary["pending"]["above_reader_watermark"] = row[0] if row is not None else 0
+        _stage(stage, dfs, args, summary, examples, progress)
     summary["pending"]["in_flight_facts"] = inputs.stats["writer_logs"]["in_flight"]
 
 

@@ -7,7 +7,7 @@ import os
 
 from twisted.trial.unittest import TestCase
 
-from tests.spark._session import spark, summary, validate
+from tests.spark._session import spark, summary, validate, violations
 
 T = 1_700_000_000_000_000
 WRITERS = [
@@ -89,3 +89,80 @@ class InputTests(TestCase):
         self.assertEqual(s["violations"]["by_severity"], {"error": 0, "warning": 1})
         self.assertEqual(validate(self.logs, self.out, *checks, "--fail-on", "warning"), 1)
         self.assertEqual(validate(self.logs, self.out, *checks, "--fail-on", "never"), 0)
+
+
+class InternalFailureTests(TestCase):
+    """A failure inside a check is exit code 3 with the error in summary.json, not a crash."""
+
+    def setUp(self):
+        spark()
+        self.logs, self.out = self.mktemp(), self.mktemp()
+        write(self.logs, "writer_logs", WRITERS)
+        write(self.logs, "token_logs", TOKENS)
+        write(self.logs, "instance_map", INSTANCES)
+
+    def _replace_check(self, name: str, fn) -> None:
+        from spark import checks_writer
+
+        self.addCleanup(checks_writer.CHECKS.__setitem__, name, checks_writer.CHECKS[name])
+        checks_writer.CHECKS[name] = fn
+
+    def test_python_exception_in_a_check(self):
+        """A check raising while it builds its query makes the run exit 3, naming the error."""
+        def broken(ctx):
+            raise RuntimeError("check exploded")
+
+        self._replace_check("duplicate_stream_id", broken)
+        self.assertEqual(validate(self.logs, self.out), 3)
+        s = summary(self.out)
+        self.assertEqual(s["exit_code"], 3)
+        self.assertEqual(s["error"], "internal failure: RuntimeError: check exploded")
+        with open(os.path.join(self.out, "report.md"), encoding="utf-8") as fh:
+            self.assertIn("INTERNAL FAILURE", fh.read())
+
+    def test_spark_failure_in_a_check(self):
+        """A check whose Spark job fails at run time makes the run exit 3 with an internal-failure error."""
+        from pyspark.sql import functions as F
+
+        from spark.common import finish
+
+        def failing(ctx):
+            df = ctx.facts.where(F.raise_error(F.lit("spark side failure")).isNull())
+            return finish(df, "duplicate_stream_id", stream="stream", stream_id="sid",
+                          explanation="'x'")
+
+        self._replace_check("duplicate_stream_id", failing)
+        self.assertEqual(validate(self.logs, self.out), 3)
+        error = summary(self.out)["error"]
+        self.assertTrue(error.startswith("internal failure: "), error)
+        self.assertIn("spark side failure", error)
+
+
+class AnsiOverflowTests(TestCase):
+    """Under ANSI mode, numbers too large for their type make a token malformed (overflow), never a job failure."""
+
+    def test_overflowing_tokens_are_malformed(self):
+        """Overflowing minimums, positions and instance ids are `malformed_token` with reason `overflow`."""
+        session = spark()
+        self.assertEqual(session.conf.get("spark.sql.ansi.enabled"), "true")
+        from spark import reference
+
+        texts = ["s99999999999999999999", "m5~9999999999.6", "m99999999999999999999~1.2",
+                 "m5~1.99999999999999999999", "m5~99999999999.6~"]
+        logs, out = self.mktemp(), self.mktemp()
+        tokens = [dict(TOKENS[0], seq=i, token=t, delivered=[] if i > 1 else ["$e2"])
+                  for i, t in enumerate(["s2", *texts], 1)]
+        write(logs, "writer_logs", WRITERS)
+        write(logs, "token_logs", tokens)
+        write(logs, "instance_map", INSTANCES)
+        self.assertEqual(validate(logs, out, "--fail-on", "never"), 0, summary(out).get("error"))
+        rows = [r for r in violations(out) if r["check"] == "malformed_token"]
+        self.assertEqual(sorted((r["token"], r["reason"]) for r in rows),
+                         sorted((t, "overflow") for t in texts))
+        for r in rows:
+            self.assertIn("(overflow)", r["explanation"])
+        self.assertEqual(summary(out)["violations"]["total"], len(texts))
+        # The reference checker's grammar agrees.
+        expected = reference.check(WRITERS[:1], tokens, INSTANCES)
+        self.assertEqual({k for k in expected.keys() if k[0] == "malformed_token"},
+                         {("malformed_token", "events", "r", i) for i in range(2, len(texts) + 2)})
