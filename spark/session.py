@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 from pyspark.sql import SparkSession
 
@@ -12,6 +13,24 @@ DEFAULT_LOCAL_SHUFFLE_PARTITIONS = 64
 def launched_by_spark_submit() -> bool:
     """True when this Python process was started by spark-submit (the JVM already runs)."""
     return "PYSPARK_GATEWAY_PORT" in os.environ
+
+
+def choose_master(master: str | None, submitted: bool, env: Mapping[str, str]) -> str | None:
+    """The master a new session is built with (None: leave it to spark-submit's configuration).
+
+    Args:
+        master: the ``--master`` option, which wins when given.
+        submitted: whether spark-submit started this process (it has set the master already).
+        env: the environment (``SPARK_MASTER`` is used when not under spark-submit).
+
+    Returns:
+        ``master``; else None under spark-submit; else ``SPARK_MASTER``; else ``local[*]``.
+    """
+    if master:
+        return master
+    if submitted:
+        return None
+    return env.get("SPARK_MASTER") or "local[*]"
 
 
 def get_session(
@@ -28,7 +47,8 @@ def get_session(
 
     Args:
         master: the Spark master URL, overriding everything else.
-        shuffle_partitions: ``spark.sql.shuffle.partitions`` (default 64 locally; AQE coalesces).
+        shuffle_partitions: ``spark.sql.shuffle.partitions`` (default for a new session with a
+            local master and no configured value: 64; AQE coalesces).
         driver_memory: ``spark.driver.memory`` for a driver JVM this process launches.
         app_name: the application name.
 
@@ -39,20 +59,28 @@ def get_session(
     if spark is None:
         builder = SparkSession.builder.appName(app_name)
         submitted = launched_by_spark_submit()
-        chosen = master or (None if submitted else os.environ.get("SPARK_MASTER") or "local[*]")
+        chosen = choose_master(master, submitted, os.environ)
         if chosen:
             builder = builder.master(chosen)
         if chosen and chosen.startswith("local"):
             os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
             builder = builder.config("spark.ui.enabled", "false")
             builder = builder.config("spark.ui.showConsoleProgress", "false")
-            if shuffle_partitions is None:
-                shuffle_partitions = DEFAULT_LOCAL_SHUFFLE_PARTITIONS
         if driver_memory and not submitted:
             builder = builder.config("spark.driver.memory", driver_memory)
         spark = builder.getOrCreate()
         spark.sparkContext.setLogLevel("WARN")
+        # A local master (ours, or spark-submit's --master local[…]) gets the local shuffle
+        # default unless the configuration sets one: Spark's 200 partitions cost more in task
+        # overhead than they save on a few cores.
+        conf = spark.sparkContext.getConf()
+        if (shuffle_partitions is None and (spark.sparkContext.master or "").startswith("local")
+                and not conf.contains("spark.sql.shuffle.partitions")):
+            shuffle_partitions = DEFAULT_LOCAL_SHUFFLE_PARTITIONS
     spark.conf.set("spark.sql.session.timeZone", "UTC")
+    # ANSI mode (Spark 4's default) is set explicitly: token parsing is written for it (regular
+    # expressions first, then try_cast only), so a bad token is reported, never a job failure.
+    spark.conf.set("spark.sql.ansi.enabled", "true")
     # Only the joins the checks mark with an explicit broadcast hint (small per-reader tables) are
     # broadcast: size estimates of checkpointed and aggregated inputs can be far below their real
     # size, and an automatic broadcast of one of them exhausts the driver's memory at 10M rows.

@@ -6,10 +6,14 @@ import json
 import os
 import subprocess
 import sys
+import sysconfig
 
-from twisted.trial.unittest import TestCase
+from twisted.trial.unittest import SkipTest, SynchronousTestCase, TestCase
 
+from spark.checks import violation_key
 from spark.generate import Config, generate, write_jsonl
+from spark.inject import expected_keys
+from spark.session import DEFAULT_LOCAL_SHUFFLE_PARTITIONS
 from tests.services import require_java
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -65,6 +69,97 @@ class CommandLineTests(TestCase):
             self.assertTrue(json.load(fh)["injected"])
 
 
+def _spark_submit(logs: str, out: str, tmp: str) -> subprocess.CompletedProcess:
+    """Run the venv's ``spark-submit --master local[1] spark/validate_tokens.py`` from ``/``.
+
+    No ``PYTHONPATH`` and no job option but ``--logs``/``--out``: the script must find its own
+    package, and the job must take spark-submit's master and its local defaults. The driver
+    Python sees the virtualenv's packages but not its ``.pth`` entries (``python -S`` with
+    site-packages on its path), so the editable install cannot put the checkout on ``sys.path``
+    as it would not be on a cluster: the script's own path handling has to.
+    """
+    require_java()
+    submit = os.path.join(os.path.dirname(sys.executable), "spark-submit")
+    if not os.path.exists(submit):
+        if os.environ.get("CI"):
+            raise AssertionError(f"{submit} is missing")
+        raise SkipTest(f"{submit} is missing")
+    os.makedirs(tmp, exist_ok=True)
+    driver = os.path.join(tmp, "driver-python")
+    with open(driver, "w", encoding="utf-8") as fh:
+        fh.write(f'#!/bin/sh\nPYTHONPATH={sysconfig.get_paths()["purelib"]}"${{PYTHONPATH:+:$PYTHONPATH}}" '
+                 f'exec {sys.executable} -S "$@"\n')
+    os.chmod(driver, 0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "SPARK_MASTER")}
+    env.update(SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=driver)
+    return subprocess.run(
+        [submit, "--master", "local[1]", "--driver-memory", "1g",
+         os.path.join(ROOT, "spark", "validate_tokens.py"), "--logs", logs, "--out", out],
+        cwd="/", env=env, capture_output=True, text=True, timeout=900)
+
+
+def _read_out(out: str) -> tuple[dict, set]:
+    with open(os.path.join(out, "summary.json"), encoding="utf-8") as fh:
+        summary = json.load(fh)
+    keys = set()
+    vdir = os.path.join(out, "violations")
+    for name in os.listdir(vdir) if os.path.isdir(vdir) else []:
+        if name.endswith(".json"):
+            with open(os.path.join(vdir, name), encoding="utf-8") as fh:
+                keys |= {violation_key(r["check"], r) for r in map(json.loads, fh)}
+    return summary, keys
+
+
+class SparkSubmitTests(TestCase):
+    """The unchanged script under the virtualenv's own `spark-submit`, as on a cluster."""
+
+    def test_clean_logs_exit_zero(self):
+        """spark-submit --master local[1] on clean logs exits 0 and the summary records spark-submit's master."""
+        logs, out = os.path.abspath(self.mktemp()), os.path.abspath(self.mktemp())
+        write_jsonl(generate(Config(facts=200, cache_facts=20, readers=2, tokens_per_reader=20,
+                                    inject=False, seed=4)), logs)
+        proc = _spark_submit(logs, out, os.path.abspath(self.mktemp()))
+        self.assertEqual(proc.returncode, 0, (proc.stdout + proc.stderr)[-3000:])
+        # spark-submit relays the Python driver's stderr (the progress lines) on its stdout.
+        self.assertIn("done: exit 0, 0 violation(s)", proc.stdout + proc.stderr)
+        summary, keys = _read_out(out)
+        self.assertEqual(summary["spark"]["master"], "local[1]")
+        # spark-submit's local master gets the job's local shuffle default, not Spark's 200.
+        self.assertEqual(summary["spark"]["shuffle_partitions"], str(DEFAULT_LOCAL_SHUFFLE_PARTITIONS))
+        self.assertEqual((summary["exit_code"], summary["violations"]["total"], keys), (0, 0, set()))
+
+    def test_injected_logs_exit_one(self):
+        """spark-submit on a small corpus with every anomaly injected exits 1, reporting exactly the injections."""
+        logs, out = os.path.abspath(self.mktemp()), os.path.abspath(self.mktemp())
+        corpus = generate(Config(facts=200, cache_facts=40, readers=4, tokens_per_reader=25, seed=3))
+        write_jsonl(corpus, logs)
+        proc = _spark_submit(logs, out, os.path.abspath(self.mktemp()))
+        self.assertEqual(proc.returncode, 1, (proc.stdout + proc.stderr)[-3000:])
+        summary, keys = _read_out(out)
+        self.assertEqual(summary["spark"]["master"], "local[1]")
+        self.assertEqual(summary["exit_code"], 1)
+        self.assertEqual(keys, expected_keys(corpus.injected))
+
+
+class MasterChoiceTests(SynchronousTestCase):
+    """Which master a new session gets (a pure function, no Spark)."""
+
+    def test_local_star_by_default(self):
+        """Without --master, spark-submit or SPARK_MASTER, the job runs in local[*]."""
+        from spark.session import choose_master
+
+        self.assertEqual(choose_master(None, False, {}), "local[*]")
+        self.assertEqual(choose_master("", False, {"SPARK_MASTER": ""}), "local[*]")
+
+    def test_overrides(self):
+        """--master wins; under spark-submit its master is kept; else SPARK_MASTER is used."""
+        from spark.session import choose_master
+
+        self.assertEqual(choose_master("local[2]", True, {"SPARK_MASTER": "yarn"}), "local[2]")
+        self.assertIsNone(choose_master(None, True, {"SPARK_MASTER": "yarn"}))
+        self.assertEqual(choose_master(None, False, {"SPARK_MASTER": "spark://h:7077"}), "spark://h:7077")
+
+
 class SessionSettingsTests(TestCase):
     def test_session_broadcasts_only_hinted_joins(self):
         """The job's session never broadcasts a join on a size estimate (at 10M rows that exhausted the driver)."""
@@ -76,3 +171,12 @@ class SessionSettingsTests(TestCase):
         self.assertEqual(session.conf.get("spark.sql.autoBroadcastJoinThreshold"), "-1")
         self.assertEqual(session.conf.get("spark.sql.adaptive.autoBroadcastJoinThreshold"), "-1")
         self.assertEqual(session.conf.get("spark.sql.session.timeZone"), "UTC")
+
+    def test_job_session_runs_in_ansi_mode(self):
+        """The job's session turns ANSI mode on (its token parsing is written to never throw under it)."""
+        from spark.session import get_session
+        from tests.spark._session import spark
+
+        spark().conf.set("spark.sql.ansi.enabled", "false")
+        self.addCleanup(spark().conf.set, "spark.sql.ansi.enabled", "true")
+        self.assertEqual(get_session(shuffle_partitions=2).conf.get("spark.sql.ansi.enabled"), "true")
