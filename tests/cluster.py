@@ -5,7 +5,10 @@ directory (SQLite or a fresh PostgreSQL database; TCP hub or Redis with its
 own channel prefix; every port on loopback, picked free), starts the master
 with ``twistd -n synflow`` and other processes as subprocesses, and kills
 whatever is left in cleanup. A :class:`DroppingProxy` sits between a process
-and the hub when a test needs to cut connections.
+and the hub when a test needs to cut connections. :meth:`Cluster.metrics`,
+:meth:`Cluster.healthy` and :meth:`Cluster.rss_kib` read a running process's
+``/metrics``, ``/health`` and resident memory; :meth:`Cluster.all_output`
+returns everything the processes wrote, for checks that no secret leaked.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from typing import Any
 
@@ -84,6 +89,24 @@ def single_master(testcase: Any, extra_yaml: str = "", server_name: str = "api.t
     return master, f"http://127.0.0.1:{listener.bound_port}"
 
 
+def scrape_metrics(port: int, timeout: float = 5.0) -> dict[str, float]:
+    """The samples of the ``/metrics`` page on a loopback port, keyed ``name{label="v",...}``.
+
+    Labels are sorted by name, so ``synflow_replication_stream_position{instance="p1",stream="events"}``
+    finds one writer's position; a sample without labels is keyed by its bare name.
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as response:
+        text = response.read().decode("utf-8")
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return samples
+
+
 def read_jsonl(path: str) -> list[dict]:
     if not os.path.exists(path):
         return []
@@ -100,11 +123,15 @@ class Cluster:
         transport: ``tcp`` or ``redis``.
         writers: the event persisters (``stream_writers.events``).
         server_name: the deployment's server name.
+        extra_instances: further processes in ``instance_map`` (federation senders, ...).
+        shared: merged into ``shared.yaml`` (nested dicts merge key by key).
+        secret: when given, ``replication.secret`` (internal RPC and the hub then require it).
     """
 
     def __init__(self, testcase: Any, *, engine: str = "sqlite", transport: str = "tcp",
                  writers: tuple[str, ...] = ("persister1", "persister2"), server_name: str = "test.local",
-                 extra_instances: tuple[str, ...] = (), shared: dict | None = None) -> None:
+                 extra_instances: tuple[str, ...] = (), shared: dict | None = None,
+                 secret: str | None = None) -> None:
         self.testcase = testcase
         self.dir = os.path.abspath(testcase.mktemp())
         os.makedirs(self.dir)
@@ -128,6 +155,8 @@ class Cluster:
             database = {"engine": "sqlite", "path": os.path.join(self.dir, "var", "synflow.db")}
         replication: dict[str, Any] = {"transport": transport, "hub": {"host": "127.0.0.1", "port": self.hub_port},
                                        "idle_announce_interval_s": 0.2}
+        if secret is not None:
+            replication["secret"] = secret
         if transport == "redis":
             services.require_redis()
             replication["redis"] = {"host": services.REDIS_HOST, "port": services.REDIS_PORT,
@@ -222,6 +251,32 @@ class Cluster:
             return self.stderr_of(name)
         with open(path, encoding="utf-8", errors="replace") as f:
             return f.read()[-chars:] + self.stderr_of(name)
+
+    def all_output(self) -> dict[str, str]:
+        """Every file the processes wrote to (logs and captured stdout/stderr), whole, by file name."""
+        out: dict[str, str] = {}
+        for entry in sorted(os.listdir(self.dir)):
+            if entry.endswith((".log", ".stderr")) or ".log." in entry:
+                with open(os.path.join(self.dir, entry), encoding="utf-8", errors="replace") as f:
+                    out[entry] = f.read()
+        return out
+
+    def metrics(self, name: str) -> dict[str, float]:
+        """``name``'s ``/metrics`` samples, read from its internal listener (see :func:`scrape_metrics`)."""
+        return scrape_metrics(self.instance_ports[name])
+
+    def healthy(self, name: str) -> bool:
+        """Whether ``name``'s ``/health`` answers 200 (started, replication and database connected)."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.instance_ports[name]}/health", timeout=2) as r:
+                return r.status == 200
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def rss_kib(self, name: str) -> int:
+        """``name``'s resident set size in KiB (from ``/proc``)."""
+        with open(f"/proc/{self.procs[name].pid}/status", encoding="ascii") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 
     def check_alive(self, *names: str) -> None:
         for name in names or tuple(self.procs):
