@@ -198,8 +198,27 @@ def main() -> int:
             ctl(directory, "stop")
 
 
+def validator_violations(summary: dict) -> int | None:
+    """Violations the validator counted over all checks (its ``summary.json``), or None if it has none."""
+    checks = summary.get("checks")
+    if not isinstance(checks, dict):
+        return None
+    return sum(c.get("count", 0) for c in checks.values() if isinstance(c, dict))
+
+
 def write_report(out: str, args: argparse.Namespace, report, traffic_s: float, hit_rate: float, hits: int,
                  misses: int, verdicts: dict) -> int:
+    """Write ``report.md`` and ``report.json`` under ``out`` and print the report.
+
+    Args:
+        report: the workload's :class:`~synflow.tools.workload.Report`.
+        verdicts: server name -> (validator exit code, its summary.json).
+
+    Returns:
+        0 if nothing was lost, duplicated or reordered, every send succeeded,
+        federation delivered everything and every validator run was clean;
+        else 1 (the report's verdict then reads FAILED).
+    """
     lat = report.visible_latency_ms
     send = report.send_latency_ms
     fed_ok = report.federated_delivered == report.federated_expected
@@ -225,10 +244,9 @@ def write_report(out: str, args: argparse.Namespace, report, traffic_s: float, h
         f"| cache hit rate (localhost) | {hit_rate:.1%} ({hits} hits, {misses} misses) |",
     ]
     for name, (code, summary) in verdicts.items():
-        counts = summary.get("counts", summary.get("per_check", {}))
-        violations = sum(v for v in counts.values() if isinstance(v, int)) if isinstance(counts, dict) else "?"
-        verdict = "clean" if code == 0 else f"exit {code}"
-        lines.append(f"| token validator ({name}) | {verdict}; violations: {violations} |")
+        violations = validator_violations(summary)
+        verdict = "clean" if code == 0 else f"FAILED (exit {code})"
+        lines.append(f"| token validator ({name}) | {verdict}; violations: {'?' if violations is None else violations} |")
     lines += ["", f"Traffic phase: {traffic_s:.1f} s. Latency plot: `latency.png`.", "",
               f"**Verdict: {'OK - nothing lost, no anomalies' if ok else 'FAILED'}**"]
     text = "\n".join(lines) + "\n"

@@ -1,9 +1,10 @@
-"""The README's first command -- the main job -- runs to completion and finds nothing lost."""
+"""The README's first command -- the main job, ``scripts/demo`` -- runs to completion and finds nothing lost."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -18,16 +19,21 @@ class MainJobTest(TestCase):
     timeout = 1200
 
     def test_main_job_small(self):
-        """scripts/demo.py (smaller traffic, free ports) reports 0 lost, full federation and a clean validator."""
+        """scripts/demo (smaller traffic, free ports, this virtualenv) reports 0 lost, full federation, cache hits and a clean validator."""
         services.require_java()
+        if not os.path.exists(os.path.join(sys.prefix, ".synflow-install-stamp")):
+            self.skipTest(f"the virtualenv {sys.prefix} was not made by scripts/_venv.sh (scripts/demo would reinstall into it)")
         out = os.path.abspath(self.mktemp())
-        env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable)
+        # scripts/demo sets up (here: reuses) the virtualenv and runs scripts/demo.py in it.
         result = subprocess.run(
-            [sys.executable, os.path.join(ROOT, "scripts", "demo.py"), "--messages", "300", "--users", "10",
-             "--rooms", "12", "--free-ports", "--out", out],
-            capture_output=True, text=True, timeout=1100, env=env, cwd=ROOT,
+            [os.path.join(ROOT, "scripts", "demo"), "--messages", "300", "--users", "10", "--rooms", "12",
+             "--free-ports", "--out", out],
+            capture_output=True, text=True, timeout=1100, env=dict(os.environ, SYNFLOW_VENV=sys.prefix),
+            cwd=os.path.dirname(out),
         )
-        self.assertEqual(result.returncode, 0, result.stdout[-4000:] + result.stderr[-4000:])
+        output = result.stdout[-4000:] + result.stderr[-4000:]
+        self.assertEqual(result.returncode, 0, output)
+        self.assertNotIn("installing synflow", result.stdout)
         with open(os.path.join(out, "report.json")) as f:
             report = json.load(f)
         self.assertTrue(report["ok"])
@@ -35,7 +41,22 @@ class MainJobTest(TestCase):
         self.assertEqual(report["sent"], 300)
         self.assertEqual(report["federated_delivered"], report["federated_expected"])
         self.assertGreater(report["federated_expected"], 0)
+        self.assertGreater(report["cache_hit_rate"], 0)
         self.assertEqual(report["validator"], {"localhost": 0, "peer.localhost": 0})
         self.assertTrue(os.path.getsize(os.path.join(out, "latency.png")) > 1000)
         with open(os.path.join(out, "report.md")) as f:
-            self.assertIn("OK - nothing lost, no anomalies", f.read())
+            text = f.read()
+        self.assertRegex(text, r"\| [\d,]+ events/s \|")
+        self.assertRegex(text, r"send -> visible in sync p50 / p95 / p99 \| [\d.]+ / [\d.]+ / [\d.]+ ms \|")
+        delivered = re.search(r"\| federation delivered / expected \| (\d+) / (\d+) \|", text)
+        self.assertIsNotNone(delivered, text)
+        self.assertEqual(delivered.group(1), delivered.group(2))
+        hit_rate = re.search(r"\| cache hit rate \(localhost\) \| ([\d.]+)% \((\d+) hits", text)
+        self.assertIsNotNone(hit_rate, text)
+        self.assertGreater(float(hit_rate.group(1)), 0)
+        for server in ("localhost", "peer.localhost"):
+            self.assertIn(f"| token validator ({server}) | clean; violations: 0 |", text)
+        self.assertIn("**Verdict: OK - nothing lost, no anomalies**", text)
+        # Everything was stopped: no process of either deployment is left.
+        leftovers = subprocess.run(["pgrep", "-f", f"--config {out}"], capture_output=True, text=True).stdout
+        self.assertEqual(leftovers.strip(), "")

@@ -1,0 +1,77 @@
+"""The main job's report: its verdict and exit status follow what was lost and what the validator found."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import attrs
+from twisted.trial.unittest import SynchronousTestCase
+
+from scripts import demo
+from synflow.tools.workload import Report, percentiles
+
+CLEAN = {"checks": {"skipped_gap": {"count": 0, "severity": "error"}, "duplicate_stream_id": {"count": 0}}}
+DIRTY = {"checks": {"skipped_gap": {"count": 2, "severity": "error"}, "duplicate_stream_id": {"count": 1}}}
+
+
+def _report(**changes: object) -> Report:
+    latencies = [float(i) for i in range(1, 101)]
+    report = Report(users=10, rooms=12, sent=300, send_errors=0, lost=0, duplicated=0, order_mismatches=0, foreign=0,
+                    sync_requests=900, federated_expected=120, federated_delivered=120, send_seconds=2.0,
+                    events_per_s=150.0, send_latency_ms=percentiles(latencies), visible_latency_ms=percentiles(latencies),
+                    latencies_ms=latencies)
+    return attrs.evolve(report, **changes)
+
+
+class WriteReportTest(SynchronousTestCase):
+    def write(self, report: Report, verdicts: dict) -> tuple[int, str, dict]:
+        out = os.path.abspath(self.mktemp())
+        os.makedirs(out)
+        args = argparse.Namespace(concurrency=24)
+        self.patch(sys, "stdout", open(os.devnull, "w"))  # the report is also printed
+        self.addCleanup(sys.stdout.close)
+        code = demo.write_report(out, args, report, 3.5, 0.42, 42, 58, verdicts)
+        with open(os.path.join(out, "report.md"), encoding="utf-8") as f:
+            text = f.read()
+        with open(os.path.join(out, "report.json"), encoding="utf-8") as f:
+            data = json.load(f)
+        return code, text, data
+
+    def test_clean_run(self) -> None:
+        """Nothing lost and clean validators: exit 0, verdict OK, with every figure the report promises."""
+        code, text, data = self.write(_report(), {"localhost": (0, CLEAN), "peer.localhost": (0, CLEAN)})
+        self.assertEqual(code, 0)
+        self.assertTrue(data["ok"])
+        self.assertIn("**Verdict: OK - nothing lost, no anomalies**", text)
+        self.assertIn("| 150 events/s |", text)
+        self.assertIn("send -> visible in sync p50 / p95 / p99 | 51.0 / 96.0 / 100.0 ms |", text)
+        self.assertIn("| federation delivered / expected | 120 / 120 |", text)
+        self.assertIn("| cache hit rate (localhost) | 42.0% (42 hits, 58 misses) |", text)
+        self.assertIn("| token validator (localhost) | clean; violations: 0 |", text)
+
+    def test_lost_event_fails(self) -> None:
+        """One lost event: exit 1 and verdict FAILED, even with clean validators."""
+        code, text, data = self.write(_report(lost=1), {"localhost": (0, CLEAN), "peer.localhost": (0, CLEAN)})
+        self.assertEqual(code, 1)
+        self.assertFalse(data["ok"])
+        self.assertIn("**Verdict: FAILED**", text)
+        self.assertNotIn("OK - nothing lost", text)
+        self.assertIn("| lost / duplicated / out of order / foreign | 1 / 0 / 0 / 0 |", text)
+
+    def test_validator_anomaly_fails(self) -> None:
+        """A validator exit code 1: exit 1 and verdict FAILED, naming the server and the violations."""
+        code, text, data = self.write(_report(), {"localhost": (0, CLEAN), "peer.localhost": (1, DIRTY)})
+        self.assertEqual(code, 1)
+        self.assertFalse(data["ok"])
+        self.assertEqual(data["validator"], {"localhost": 0, "peer.localhost": 1})
+        self.assertIn("**Verdict: FAILED**", text)
+        self.assertIn("| token validator (peer.localhost) | FAILED (exit 1); violations: 3 |", text)
+
+    def test_federation_shortfall_fails(self) -> None:
+        """Fewer federated deliveries than expected: exit 1 and verdict FAILED."""
+        code, text, _ = self.write(_report(federated_delivered=119), {"localhost": (0, CLEAN)})
+        self.assertEqual(code, 1)
+        self.assertIn("**Verdict: FAILED**", text)
