@@ -1,9 +1,20 @@
 """Fault scenarios: client traffic while something breaks, then nothing lost, repeated or skipped.
 
-Each scenario runs a deployment (real processes), drives sends and every
-user's sync chain through the fault, checks the chains from the responses
-(0 lost / 0 duplicated / 0 out of order), and validates the audit logs with
-the Spark token validator (0 anomalies).
+Each scenario runs a deployment (real processes) and drives every user's
+sync chain through three phases of sends:
+
+1. *before* the fault: every send must succeed;
+2. *during* the fault: sends run while it happens; errors are allowed only
+   here, and are bounded;
+3. *after* recovery (every process's ``/health`` is 200 again): sends to rooms
+   of every event persister through every client API must all succeed (so a
+   process that comes back unable to write fails the scenario), and each must
+   reach every member's sync chain.
+
+It then checks the chains from the responses (0 lost / 0 duplicated / 0 out
+of order) and validates the audit logs with the Spark token validator (0
+anomalies). Every scenario prints one ``fault-result`` line with its figures,
+which is where the table in ``docs/reliability.md`` comes from.
 """
 
 from __future__ import annotations
@@ -11,18 +22,37 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
+import attrs
 from twisted.internet import reactor
-from twisted.internet.defer import ensureDeferred, inlineCallbacks
+from twisted.internet.defer import Deferred, ensureDeferred, inlineCallbacks
 from twisted.internet.protocol import Factory, Protocol
 from twisted.trial.unittest import TestCase
 
-from synflow.tools.workload import Workload
+from synflow.sharding import shard_for
+from synflow.tools.workload import Report, Workload
 from tests import services
 from tests.cluster import Cluster, deep_update, free_port, sleep, wait_until
 from tests.spark._session import validate, violations
 
 WRITERS = ("persister1", "persister2")
+#: A federation sender with no destinations: a process that only reads the streams.
+READER = "reader1"
+#: The prefix of the one line each scenario prints with its results.
+RESULT_PREFIX = "fault-result"
+#: After recovery, this many rooms of each persister get a send through each client API.
+POST_FAULT_ROOMS_PER_WRITER = 2
+#: Attempts per post-fault send (a pooled connection to a restarted process may be stale once).
+POST_FAULT_ATTEMPTS = 3
+#: A valid server name of 188 characters (three 60-character labels).
+LONG_SERVER_NAME = ".".join(["r" * 60] * 3) + ".test"
+#: How much a writer's or the master's resident memory may grow while a reader is stopped.
+RSS_GROWTH_BOUND_KIB = 8 * 1024
+#: The share of the scenario's sends in flight during the fault that may fail.
+MAX_FAULT_ERROR_SHARE = 0.05
 
 
 class _Blackhole(Protocol):
@@ -88,18 +118,165 @@ class PartitionProxy(Factory):
         return self.port.getHost().port
 
 
+class _PipeSide(Protocol):
+    """One end of a :class:`NarrowPipe` connection; forwards what it reads to its peer."""
+
+    peer: _PipeSide | None = None
+
+    def dataReceived(self, data: bytes) -> None:
+        assert self.peer is not None
+        self.peer.transport.write(data)
+
+    def connectionLost(self, reason: Any) -> None:
+        if self.peer is not None and self.peer.transport is not None:
+            self.peer.transport.loseConnection()
+
+
+class _PipeIn(_PipeSide):
+    """The side the reader connects to; opens the narrow socket to the server on connect."""
+
+    def __init__(self, pipe: NarrowPipe) -> None:
+        self.pipe = pipe
+
+    def connectionMade(self) -> None:
+        self.transport.pauseProducing()  # nothing is read until the far side is connected
+        self.transport.getHandle().setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.pipe.buffer_bytes)
+        self.transport.bufferSize = self.pipe.buffer_bytes
+        out = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # Set before connecting: the small MSS the SYN advertises keeps the
+        # server's automatically sized send buffer small too.
+        out.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.pipe.buffer_bytes)
+        out.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, self.pipe.mss)
+        try:
+            out.connect(self.pipe.target)  # loopback: immediate
+        except OSError:
+            out.close()
+            self.transport.loseConnection()
+            return
+        out.setblocking(False)
+        far = _PipeOut(self)
+        factory = Factory()
+        factory.buildProtocol = lambda addr: far  # type: ignore[method-assign]
+        reactor.adoptStreamConnection(out.fileno(), socket.AF_INET, factory)
+        out.close()  # the reactor holds its own duplicate of the descriptor
+
+
+class _PipeOut(_PipeSide):
+    """The side connected to the server."""
+
+    def __init__(self, inbound: _PipeIn) -> None:
+        self.peer = inbound
+        inbound.peer = self
+
+    def connectionMade(self) -> None:
+        assert self.peer is not None
+        self.transport.bufferSize = self.peer.pipe.buffer_bytes
+        # Flow control both ways: a full buffer towards one side stops reading from the other.
+        self.transport.registerProducer(self.peer.transport, True)
+        self.peer.transport.registerProducer(self.transport, True)
+        self.peer.transport.resumeProducing()
+
+
+class NarrowPipe(Factory):
+    """A flow-controlled TCP forwarder with small socket buffers, between a reader and the hub.
+
+    It forwards every byte both ways. Loopback sockets buffer megabytes, so a
+    stopped reader would take far more traffic than a bounded test sends
+    before the server noticed; through the pipe, a stopped reader holds up
+    the server's socket after a few hundred kilobytes. The pipe stops reading
+    from one side while its buffer towards the other is full.
+
+    Args:
+        buffer_bytes: socket buffer sizes and the pipe's own write buffer.
+        mss: the maximum segment size advertised to the server.
+    """
+
+    def __init__(self, buffer_bytes: int = 4096, mss: int = 536) -> None:
+        self.target = ("127.0.0.1", 0)
+        self.buffer_bytes = buffer_bytes
+        self.mss = mss
+
+    def buildProtocol(self, addr: Any) -> _PipeIn:
+        return _PipeIn(self)
+
+    def listen(self) -> int:
+        self.port = reactor.listenTCP(0, self, interface="127.0.0.1")
+        # Connections accepted from now on use small segments towards the reader as well.
+        self.port.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, self.mss)
+        return self.port.getHost().port
+
+
+@attrs.define
+class FaultRun:
+    """What one scenario's traffic did, phase by phase."""
+
+    report: Report
+    #: Sends that failed before the fault started (must be 0).
+    errors_before_fault: int
+    #: Sends of the during-the-fault phase, and how many of them failed.
+    during_sends: int
+    during_errors: int
+    #: Per persister: post-fault sends made, and how many reached every member's sync chain.
+    post_sent: dict[str, int]
+    post_delivered: dict[str, int]
+    #: Post-fault sends that failed every attempt, and attempts that were retried.
+    post_failures: list[str]
+    post_retries: int
+
+
+def _sent(workload: Workload) -> int:
+    return sum(len(v) for v in workload.sent.values())
+
+
+async def send_recorded(workload: Workload, room: str, n: int, url: str, txn: str, retries: list[int]) -> str:
+    """Send one message to ``room`` (as its ``n``-th member, mod size) through ``url`` and record it as sent.
+
+    Up to :data:`POST_FAULT_ATTEMPTS` attempts with the same ``txn``; each
+    retry is counted in ``retries[0]``. Returns the event ID; raises the last
+    error when every attempt failed.
+    """
+    members = workload.rooms[room]
+    sender = members[n % len(members)]
+    for attempt in range(POST_FAULT_ATTEMPTS):
+        t0 = time.monotonic()
+        try:
+            result = await sender.client.at(url).send(room, {"body": f"{txn} {n}"}, txn)
+        except Exception:  # an ApiError or a transport error: retry, then give up
+            if attempt + 1 == POST_FAULT_ATTEMPTS:
+                raise
+            retries[0] += 1
+            await sleep(0.5 * (attempt + 1))
+            continue
+        workload.sent[room].append(result["event_id"])
+        workload.sent_at[result["event_id"]] = t0
+        return result["event_id"]
+    raise AssertionError("unreachable")
+
+
 class FaultMixin:
     engine = "sqlite"
     transport = "tcp"
     timeout = 900
+    sending: Deferred[None]
 
     @inlineCallbacks
-    def deployment(self, *, proxy=None, extra_shared=None, invalidator=False):
+    def deployment(self, *, proxy=None, extra_shared=None, invalidator=False, reader_pipe: NarrowPipe | None = None,
+                   server_name: str = "test.local"):
+        """Master and two persisters (persister2 and the master serve the client API), plus optional extras.
+
+        Args:
+            proxy: persister1 reaches the hub only through this proxy.
+            extra_shared: merged into ``shared.yaml``.
+            invalidator: add a cache invalidator owning a shared Redis cache tier.
+            reader_pipe: add :data:`READER`, a federation sender with no
+                destinations, reaching the hub (or Redis) through this pipe.
+            server_name: the deployment's server name.
+        """
         services.require_java()
-        shared = {"replication": {"ping_timeout_s": 3.0, "ping_interval_s": 1.0}}
+        shared: dict[str, Any] = {"replication": {"ping_timeout_s": 3.0, "ping_interval_s": 1.0}}
         if extra_shared:
             deep_update(shared, extra_shared)
-        extra = ()
+        extra: tuple[str, ...] = ()
         if invalidator:
             # The shared Redis cache tier, owned by one cache invalidator.
             services.require_redis()
@@ -107,8 +284,11 @@ class FaultMixin:
             shared["caches"] = {"tier": {"host": services.REDIS_HOST, "port": services.REDIS_PORT,
                                          "channel_prefix": services.redis_prefix()},
                                 "cache_invalidator_instances": list(extra)}
+        if reader_pipe is not None:
+            extra += (READER,)
+            shared["federation_sender_instances"] = [READER]
         cluster = Cluster(self, engine=self.engine, transport=self.transport, writers=WRITERS, shared=shared,
-                          extra_instances=extra)
+                          extra_instances=extra, server_name=server_name)
         self.client_ports = {"master": free_port(), "persister2": free_port()}
         yield cluster.start_master(listeners=[
             {"resources": ["client"], "endpoint": f"tcp:{self.client_ports['master']}:interface=127.0.0.1"}])
@@ -122,42 +302,136 @@ class FaultMixin:
         cluster.start_twistd("persister2", "event_persister", listeners=[
             {"resources": ["client"], "endpoint": f"tcp:{self.client_ports['persister2']}:interface=127.0.0.1"}])
         for name in extra:
-            cluster.start_twistd(name, "cache_invalidator")
+            if name == READER:
+                assert reader_pipe is not None
+                if self.transport == "tcp":
+                    reader_pipe.target = ("127.0.0.1", cluster.hub_port)
+                    via = {"replication": {"hub": {"host": "127.0.0.1", "port": reader_pipe.listen()}}}
+                else:
+                    redis = cluster.shared["replication"]["redis"]
+                    reader_pipe.target = (redis["host"], redis["port"])
+                    via = {"replication": {"redis": {"host": "127.0.0.1", "port": reader_pipe.listen()}}}
+                self.addCleanup(reader_pipe.port.stopListening)
+                cluster.start_twistd(name, "federation_sender", **via)
+            else:
+                cluster.start_twistd(name, "cache_invalidator")
         for name in (*WRITERS, *extra):
             yield cluster.wait_for_port(cluster.instance_ports[name], name)
         self.urls = [f"http://127.0.0.1:{p}" for p in self.client_ports.values()]
         return cluster
 
-    async def traffic(self, fault, messages: int = 500):
+    async def traffic(self, cluster: Cluster, fault: Callable[[], Awaitable[Any]], messages: int = 500,
+                      concurrency: int = 8) -> FaultRun:
+        """Run the three phases of sends (before, during and after ``fault``) under every user's sync chain."""
         workload = Workload(self.urls, users=12, rooms=30, members_per_room=3, messages=messages,
-                            concurrency=8, seed=9, sync_timeout_ms=1000)
+                            concurrency=concurrency, seed=9, sync_timeout_ms=1000, room_shards=WRITERS)
         await workload.setup()
+        self.workload = workload
         chains = ensureDeferred(workload.sync_chains())
-        sending = ensureDeferred(workload.send_messages())
-        while sum(len(v) for v in workload.sent.values()) < messages // 3:
-            await sleep(0.1)
-        await fault()
-        await sending
+        try:
+            # Before: a third of the sends, with nothing broken yet.
+            before = messages // 3
+            workload.n_messages, workload.name_prefix = before, "before"
+            await workload.send_messages()
+            # During: the rest, with the fault starting once they are under way.
+            workload.n_messages, workload.name_prefix = messages - before, "during"
+            started = _sent(workload)
+            self.sending = ensureDeferred(workload.send_messages())
+            await wait_until(lambda: _sent(workload) >= started + min(40, messages // 10) or self.sending.called,
+                             60, "the during-the-fault sends to get going")
+            errors_before_fault = workload.send_errors
+            await fault()
+            await self.sending
+            during_errors = workload.send_errors - errors_before_fault
+            # After: every process healthy again, then sends to every persister's rooms must all succeed.
+            alive = [n for n, p in cluster.procs.items() if p.poll() is None]
+            await wait_until(lambda: all(cluster.healthy(n) for n in alive), 120, f"{alive} to be healthy again")
+            post_events, failures, retries = await self.post_fault_sends(workload)
+        except BaseException:
+            workload.stop_syncing()
+            await chains
+            await workload.close()
+            raise
         workload.stop_syncing()
         await chains
         await workload.drain(timeout_s=120)
         await workload.close()
-        return workload.verify()
+        delivered_to = {u.client.user_id: {e for _, e in u.delivered} for u in workload.users}
+        post_delivered = {
+            w: sum(1 for room, e in events if all(e in delivered_to[m.client.user_id] for m in workload.rooms[room]))
+            for w, events in post_events.items()
+        }
+        return FaultRun(
+            report=workload.verify(), errors_before_fault=errors_before_fault,
+            during_sends=messages - before, during_errors=during_errors,
+            post_sent={w: len(events) for w, events in post_events.items()}, post_delivered=post_delivered,
+            post_failures=failures, post_retries=retries,
+        )
+
+    async def post_fault_sends(self, workload: Workload) -> tuple[dict[str, list[tuple[str, str]]], list[str], int]:
+        """Send to rooms of every persister through every client API; record them as sent.
+
+        Returns:
+            per persister, the ``(room, event_id)`` pairs sent; the sends that
+            failed every attempt; how many attempts were retried.
+        """
+        events: dict[str, list[tuple[str, str]]] = {w: [] for w in WRITERS}
+        failures: list[str] = []
+        retries = [0]
+
+        async def one(writer: str, room: str, url: str, n: int) -> None:
+            try:
+                event_id = await send_recorded(workload, room, n, url, f"after-{n}", retries)
+            except Exception as e:
+                failures.append(f"{writer} room {room} via {url}: {e!r}")
+            else:
+                events[writer].append((room, event_id))
+
+        jobs = []
+        n = 0
+        for writer in WRITERS:
+            rooms = [r for r in workload.rooms if shard_for(r, WRITERS) == writer][:POST_FAULT_ROOMS_PER_WRITER]
+            if not rooms:
+                failures.append(f"no room of the workload belongs to {writer}")
+            for room in rooms:
+                for url in self.urls:
+                    jobs.append(ensureDeferred(one(writer, room, url, n)))
+                    n += 1
+        for job in jobs:
+            await job
+        return events, failures, retries[0]
 
     @inlineCallbacks
-    def finish(self, cluster: Cluster, report):
-        self.assertEqual((report.lost, report.duplicated, report.order_mismatches, report.foreign), (0, 0, 0, 0),
-                         report.as_dict())
-        self.assertGreater(report.sent, 0)
-        for name in ("persister1", "persister2", "master"):
+    def finish(self, cluster: Cluster, run: FaultRun):
+        """Stop the deployment, validate its audit logs, print the result line, then check everything."""
+        report = run.report
+        for name in [n for n in cluster.procs if n != "master"] + ["master"]:
+            cluster.signal(name, signal.SIGCONT)  # a stopped process cannot stop
             yield cluster.stop(name)
         out = os.path.abspath(self.mktemp())
         code = validate(cluster.shared["audit"]["dir"], out)
-        self.assertEqual((code, violations(out)), (0, []))
+        found = violations(out)
+        post = " ".join(f"{w}={run.post_delivered[w]}/{run.post_sent[w]}" for w in WRITERS)
+        print(f"\n{RESULT_PREFIX} {self.id()} sent={report.sent} lost={report.lost} "
+              f"duplicated={report.duplicated} out_of_order={report.order_mismatches} "
+              f"anomalies={len(found)} validator_exit={code} "
+              f"fault_send_errors={run.during_errors}/{run.during_sends} post_fault_delivered={post} "
+              f"post_fault_failures={len(run.post_failures)} post_fault_retries={run.post_retries}", flush=True)
+        self.assertEqual((report.lost, report.duplicated, report.order_mismatches, report.foreign), (0, 0, 0, 0),
+                         report.as_dict())
+        self.assertEqual(run.errors_before_fault, 0, "sends failed before the fault started")
+        self.assertLessEqual(run.during_errors, MAX_FAULT_ERROR_SHARE * run.during_sends,
+                             f"{run.during_errors} of {run.during_sends} sends during the fault failed")
+        self.assertEqual(run.post_failures, [], "sends after recovery failed")
+        for writer in WRITERS:
+            self.assertEqual(run.post_delivered[writer], run.post_sent[writer],
+                             f"post-fault sends to {writer}'s rooms missing from sync chains")
+            self.assertEqual(run.post_sent[writer], POST_FAULT_ROOMS_PER_WRITER * len(self.urls), writer)
+        self.assertEqual((code, found), (0, []))
 
     @inlineCallbacks
     def kill_and_restart_under_load(self, cluster: Cluster, name: str, app: str):
-        """SIGKILL ``name`` once a third of the traffic is sent, restart it a second later, and check the run."""
+        """SIGKILL ``name`` once the during-the-fault sends are under way, restart it a second later, check the run."""
 
         async def fault():
             cluster.kill(name)
@@ -165,8 +439,84 @@ class FaultMixin:
             cluster.start_twistd(name, app)
             await cluster.wait_for_port(cluster.instance_ports[name], name)
 
-        report = yield ensureDeferred(self.traffic(fault))
-        yield self.finish(cluster, report)
+        run = yield ensureDeferred(self.traffic(cluster, fault))
+        yield self.finish(cluster, run)
+
+    @inlineCallbacks
+    def stop_reader_under_load(self, cluster: Cluster, congested: Callable[[], bool], what: str):
+        """SIGSTOP :data:`READER` mid-load, keep sending until ``congested()`` and 5 s beyond, then SIGCONT it.
+
+        ``congested`` is polled every 0.2 s while the reader is stopped and
+        once per sample afterwards. Checks that sends went on while it was
+        congested, that the master's and the writers' resident memory grew by
+        less than :data:`RSS_GROWTH_BOUND_KIB`, and that after SIGCONT the
+        reader caught up from the database to every writer's position. The
+        traffic's result is left in ``self.reader_run`` for :meth:`finish`.
+        """
+        watched = ("master", *WRITERS)
+        rss: dict[str, list[int]] = {n: [] for n in watched}
+        seen: dict[str, Any] = {"fill_failures": [], "filled": 0}
+
+        def sample() -> bool:
+            for n in watched:
+                rss[n].append(cluster.rss_kib(n))
+            return congested()
+
+        async def fill(until: Callable[[], bool], lane: int) -> None:
+            # More sends while the reader is stopped, however fast the workload's own go.
+            rooms = sorted(self.workload.rooms)
+            n = lane
+            while not until():
+                url = self.urls[n % len(self.urls)]
+                try:
+                    await send_recorded(self.workload, rooms[n % len(rooms)], n, url, f"fill-{n}", [0])
+                    seen["filled"] += 1
+                except Exception as e:
+                    seen["fill_failures"].append(repr(e))
+                n += 8
+
+        async def fault():
+            seen["caught_up_before"] = cluster.metrics(READER)["synflow_replication_rows_caught_up_total"]
+            cluster.signal(READER, signal.SIGSTOP)
+            stopped = time.monotonic()
+            release = [False]
+            fillers = [ensureDeferred(fill(lambda: release[0], lane)) for lane in range(8)]
+            try:
+                await wait_until(sample, 300, what, interval=0.2)
+                seen["congested_after_s"] = time.monotonic() - stopped
+                seen["filled_at_mark"] = seen["filled"]
+                # Stay stopped while sends go on.
+                for _ in range(25):
+                    sample()
+                    await sleep(0.2)
+            finally:
+                release[0] = True
+                for d in fillers:
+                    await d
+            seen["sent_while_congested"] = seen["filled"] - seen["filled_at_mark"]
+            cluster.signal(READER, signal.SIGCONT)
+            await wait_until(lambda: cluster.metrics(READER)["synflow_replication_rows_caught_up_total"]
+                             > seen["caught_up_before"], 60, "the resumed reader to catch up from the database")
+
+        self.reader_run = yield ensureDeferred(self.traffic(cluster, fault, messages=900))
+
+        def reader_level() -> bool:
+            mine = cluster.metrics(READER)
+            return all(
+                mine[f'synflow_replication_stream_position{{instance="{w}",stream="events"}}']
+                == cluster.metrics(w)[f'synflow_replication_stream_position{{instance="{w}",stream="events"}}']
+                for w in WRITERS)
+
+        yield wait_until(reader_level, 60, "the reader's events positions to reach every writer's own")
+        growth = {n: max(v) - v[0] for n, v in rss.items()}
+        print(f"\nreader-congestion: {what} after {seen['congested_after_s']:.1f}s and {seen['filled_at_mark']} "
+              f"extra sends; {seen['sent_while_congested']} more sends while congested; RSS growth KiB {growth}",
+              flush=True)
+        self.assertEqual(seen["fill_failures"], [])
+        self.assertGreater(seen["sent_while_congested"], 0, "nothing was sent while the reader was congested")
+        for name, kib in growth.items():
+            self.assertLess(kib, RSS_GROWTH_BOUND_KIB, f"{name} RSS grew by {kib} KiB while a reader was stopped: "
+                            f"{rss[name]}")
 
     @inlineCallbacks
     def test_sigkill_persister(self):
@@ -182,36 +532,12 @@ class FaultMixin:
         async def fault():
             cluster.kill("master")
             await sleep(2.0)
-            yield_ = cluster.start_master(listeners=[
+            await cluster.start_master(listeners=[
                 {"resources": ["client"], "endpoint": f"tcp:{self.client_ports['master']}:interface=127.0.0.1"}])
-            await yield_
 
-        report = yield ensureDeferred(self.traffic(fault))
-        yield self.finish(cluster, report)
+        run = yield ensureDeferred(self.traffic(cluster, fault))
+        yield self.finish(cluster, run)
 
-    @inlineCallbacks
-    def test_reader_stops_reading(self):
-        """A persister SIGSTOPped (it stops reading) is moved to catch-up, writers stay bounded, it resumes whole."""
-        cluster = yield self.deployment(extra_shared={"replication": {"ping_timeout_s": 30.0, "high_water": 200,
-                                                                     "hard_limit": 400}})
-        master_pid = cluster.procs["master"].pid
-
-        def rss(pid: int) -> int:
-            with open(f"/proc/{pid}/status") as f:
-                return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
-
-        samples = []
-
-        async def fault():
-            cluster.signal("persister1", signal.SIGSTOP)
-            for _ in range(8):
-                samples.append(rss(master_pid))
-                await sleep(0.5)
-            cluster.signal("persister1", signal.SIGCONT)
-
-        report = yield ensureDeferred(self.traffic(fault, messages=600))
-        self.assertLess(max(samples) - min(samples), 64 * 1024, f"master RSS grew while a reader was stopped: {samples}")
-        yield self.finish(cluster, report)
 
 class SqliteTcpFaultTest(FaultMixin, TestCase):
     @inlineCallbacks
@@ -225,12 +551,31 @@ class SqliteTcpFaultTest(FaultMixin, TestCase):
             proxy.partitioned = False
 
         cluster = yield self.deployment(proxy=proxy)
-        report = yield ensureDeferred(self.traffic(fault))
+        run = yield ensureDeferred(self.traffic(cluster, fault))
         log = cluster.log_tail("persister1", 200_000)
         self.assertIn("nothing received for", log)  # the keep-alive timeout closed the link
-        yield self.finish(cluster, report)
+        yield self.finish(cluster, run)
 
+    @inlineCallbacks
+    def test_reader_stops_reading(self):
+        """A reader SIGSTOPped under load is moved to catch-up by the hub (its queue stops at the high-water
+        mark while sends go on), the writers' memory stays bounded, and after SIGCONT it catches up."""
+        high_water = 50
+        pipe = NarrowPipe()
+        # The ping timeout is out of the way: only congestion may act on the connection.
+        cluster = yield self.deployment(reader_pipe=pipe, server_name=LONG_SERVER_NAME, extra_shared={
+            "replication": {"ping_timeout_s": 600.0, "high_water": high_water, "hard_limit": 40 * high_water}})
+        pending: list[float] = []
 
+        def congested() -> bool:
+            pending.append(cluster.metrics("master")["synflow_replication_pending_commands"])
+            return pending[-1] >= high_water
+
+        yield self.stop_reader_under_load(cluster, congested, f"the hub to queue {high_water} commands for it")
+        print(f"reader-congestion: hub pending commands {pending[0]:.0f} .. peak {max(pending):.0f}", flush=True)
+        # The hub queues at most the high-water mark plus one placeholder per stream and writer and a few PINGs.
+        self.assertLessEqual(max(pending), high_water + 32, pending)
+        yield self.finish(cluster, self.reader_run)
 
 
 class PostgresRedisFaultTest(FaultMixin, TestCase):
@@ -251,13 +596,34 @@ class PostgresRedisFaultTest(FaultMixin, TestCase):
             redis.start()
             await wait_until(redis.up, 20, "the restarted redis-server")
 
-        report = yield ensureDeferred(self.traffic(fault))
+        run = yield ensureDeferred(self.traffic(cluster, fault))
         for name in ("master", *WRITERS):
             # Each process saw the outage and subscribed again afterwards.
             log = cluster.log_tail(name, 500_000)
             self.assertIn("Redis connection (channel", log, name)
             self.assertGreaterEqual(log.count("subscribed to Redis channel"), 2, name)
-        yield self.finish(cluster, report)
+        yield self.finish(cluster, run)
+
+    @inlineCallbacks
+    def test_reader_stops_reading(self):
+        """A reader SIGSTOPped under load is disconnected by Redis once its output buffer passes the pubsub
+        limit, the writers' memory stays bounded, and after SIGCONT it resubscribes and catches up."""
+        log = os.path.abspath(self.mktemp())
+        redis = services.PrivateRedis(self, free_port(), (
+            "--client-output-buffer-limit", "pubsub 512kb 256kb 2", "--logfile", log))
+        redis.start()
+        yield wait_until(redis.up, 20, "the deployment's redis-server")
+        cluster = yield self.deployment(reader_pipe=NarrowPipe(), server_name=LONG_SERVER_NAME,
+                                        extra_shared={"replication": {"redis": {"port": redis.port}}})
+
+        def congested() -> bool:
+            with open(log, encoding="utf-8", errors="replace") as f:
+                return "overcoming of output buffer limits" in f.read()
+
+        yield self.stop_reader_under_load(cluster, congested, "Redis to close the reader's subscription")
+        reader_log = cluster.log_tail(READER, 1_000_000)
+        self.assertGreaterEqual(reader_log.count("subscribed to Redis channel"), 2, "the reader did not resubscribe")
+        yield self.finish(cluster, self.reader_run)
 
     @inlineCallbacks
     def test_redis_clients_killed_and_paused(self):
@@ -272,8 +638,8 @@ class PostgresRedisFaultTest(FaultMixin, TestCase):
                           b"CLIENT PAUSE 10000 ALL")
             await sleep(10.5)
 
-        report = yield ensureDeferred(self.traffic(fault))
-        yield self.finish(cluster, report)
+        run = yield ensureDeferred(self.traffic(cluster, fault))
+        yield self.finish(cluster, run)
 
     @inlineCallbacks
     def test_sigkill_cache_invalidator(self):
@@ -283,18 +649,26 @@ class PostgresRedisFaultTest(FaultMixin, TestCase):
 
     @inlineCallbacks
     def test_postgres_connections_killed(self):
-        """Every PostgreSQL backend of the deployment is terminated mid-load."""
+        """The deployment's PostgreSQL backends are terminated twice while sends are in flight."""
         cluster = yield self.deployment()
+        terminated: list[tuple[int, bool]] = []
 
         async def fault():
             for _ in range(2):
                 conn = services.pg_connect()
-                cur = conn.cursor()
-                cur.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s "
-                            "AND pid <> pg_backend_pid()", (cluster.dbname,))
-                conn.close()
+                try:
+                    cur = conn.cursor()
+                    cur.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s "
+                                "AND pid <> pg_backend_pid()", (cluster.dbname,))
+                    results = [bool(r[0]) for r in cur.fetchall()]
+                finally:
+                    conn.close()
+                in_flight = not self.sending.called
+                terminated.append((sum(results), in_flight))
                 await sleep(1.0)
 
-        report = yield ensureDeferred(self.traffic(fault))
-        yield self.finish(cluster, report)
-
+        run = yield ensureDeferred(self.traffic(cluster, fault))
+        print(f"\npg_terminate_backend: {terminated} (backends terminated, sends in flight)", flush=True)
+        self.assertTrue(any(n >= 1 and in_flight for n, in_flight in terminated),
+                        f"no backend of the deployment was terminated while sends were in flight: {terminated}")
+        yield self.finish(cluster, run)
