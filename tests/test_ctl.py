@@ -39,6 +39,14 @@ def write(directory: str, name: str, text: str) -> str:
     return path
 
 
+def replace_in(path: str, old: str, new: str) -> None:
+    """Rewrite the file at ``path`` with ``old`` replaced by ``new``."""
+    with open(path) as f:
+        text = f.read()
+    with open(path, "w") as f:
+        f.write(text.replace(old, new))
+
+
 def small_deployment(testcase: SynchronousTestCase, ports: dict[str, int]) -> str:
     """A master and two persisters on the given internal ports, with data under the directory."""
     directory = os.path.abspath(testcase.mktemp())
@@ -81,6 +89,12 @@ class FakeHealth:
 
 
 class DiscoverTest(SynchronousTestCase):
+    def discover_error(self, directory: str) -> ConfigError:
+        """The config error discovering ``directory`` raises."""
+        with self.assertRaises(ConfigError) as cm:
+            ctl.discover(directory, [])
+        return cm.exception
+
     def test_workers_master_first(self):
         """The default deployment has five processes, master first, each configured by shared.yaml then its own file."""
         procs = ctl.discover(WORKERS, [])
@@ -105,39 +119,35 @@ class DiscoverTest(SynchronousTestCase):
         """A process file that is not valid YAML is a config error naming it, not a skipped process."""
         directory = copy_workers(self)
         path = write(directory, "persister2.yaml", "app: event_persister\ninstance_name: [persister2\n")
-        with self.assertRaises(ConfigError) as cm:
-            ctl.discover(directory, [])
-        self.assertEqual(cm.exception.path, path)
-        self.assertIn("invalid YAML at line", str(cm.exception))
+        error = self.discover_error(directory)
+        self.assertEqual(error.path, path)
+        self.assertIn("invalid YAML at line", str(error))
 
     def test_misspelt_app_key_named(self):
         """A misspelt ``app`` key is a config error naming the file and the key, with the likely spelling."""
         directory = copy_workers(self)
         for text in ("apps: event_persister\ninstance_name: persister2\n", "ap: event_persister\n"):
             path = write(directory, "persister2.yaml", text)
-            with self.assertRaises(ConfigError) as cm:
-                ctl.discover(directory, [])
-            self.assertEqual(cm.exception.path, path)
-            self.assertEqual(cm.exception.key, text.split(":")[0])
-            self.assertIn("did you mean 'app'?", str(cm.exception))
+            error = self.discover_error(directory)
+            self.assertEqual(error.path, path)
+            self.assertEqual(error.key, text.split(":")[0])
+            self.assertIn("did you mean 'app'?", str(error))
 
     def test_unknown_app_named(self):
         """An unknown app type is a config error naming the file and ``app``."""
         directory = copy_workers(self)
         path = write(directory, "persister2.yaml", "app: synchrotron\ninstance_name: persister2\n")
-        with self.assertRaises(ConfigError) as cm:
-            ctl.discover(directory, [])
-        self.assertEqual((cm.exception.path, cm.exception.key), (path, "app"))
-        self.assertIn("unknown app 'synchrotron'", str(cm.exception))
+        error = self.discover_error(directory)
+        self.assertEqual((error.path, error.key), (path, "app"))
+        self.assertIn("unknown app 'synchrotron'", str(error))
 
     def test_process_file_without_app_named(self):
         """A process file with an instance_name but no app is refused, naming the file."""
         directory = copy_workers(self)
         path = write(directory, "persister2.yaml", "instance_name: persister2\n")
-        with self.assertRaises(ConfigError) as cm:
-            ctl.discover(directory, [])
-        self.assertEqual((cm.exception.path, cm.exception.key), (path, "app"))
-        self.assertIn("is required", str(cm.exception))
+        error = self.discover_error(directory)
+        self.assertEqual((error.path, error.key), (path, "app"))
+        self.assertIn("is required", str(error))
 
     def test_overlay_in_directory_not_started(self):
         """A YAML file with neither app nor instance_name (an overlay) is not a process."""
@@ -147,42 +157,30 @@ class DiscoverTest(SynchronousTestCase):
         """Two processes on one port is a config error naming the second one's file and key, and the first."""
         directory = copy_workers(self)
         path = os.path.join(directory, "persister2.yaml")
-        with open(path) as f:
-            text = f.read()
-        with open(path, "w") as f:
-            f.write(text.replace("tcp:9103", "tcp:9102"))
-        with self.assertRaises(ConfigError) as cm:
-            ctl.discover(directory, [])
-        self.assertEqual((cm.exception.path, cm.exception.key), (path, "listeners[0].endpoint"))
-        self.assertIn("port 9102 is already used by persister1", str(cm.exception))
-        self.assertIn("persister1.yaml: listeners[0].endpoint", str(cm.exception))
+        replace_in(path, "tcp:9103", "tcp:9102")
+        error = self.discover_error(directory)
+        self.assertEqual((error.path, error.key), (path, "listeners[0].endpoint"))
+        self.assertIn("port 9102 is already used by persister1", str(error))
+        self.assertIn("persister1.yaml: listeners[0].endpoint", str(error))
 
     def test_instance_map_port_shared(self):
         """Two instance_map entries on one port are named in shared.yaml."""
         directory = copy_workers(self)
         shared = os.path.join(directory, "shared.yaml")
-        with open(shared) as f:
-            text = f.read()
-        with open(shared, "w") as f:
-            f.write(text.replace("persister2: {host: 127.0.0.1, port: 9095}", "persister2: {host: 127.0.0.1, port: 9094}"))
-        with self.assertRaises(ConfigError) as cm:
-            ctl.discover(directory, [])
-        self.assertEqual((cm.exception.path, cm.exception.key), (shared, "instance_map.persister2.port"))
-        self.assertIn("already used by persister1", str(cm.exception))
+        replace_in(shared, "persister2: {host: 127.0.0.1, port: 9095}", "persister2: {host: 127.0.0.1, port: 9094}")
+        error = self.discover_error(directory)
+        self.assertEqual((error.path, error.key), (shared, "instance_map.persister2.port"))
+        self.assertIn("already used by persister1", str(error))
 
     def test_metrics_listener_on_the_hub_port(self):
         """A worker's listener on the master's hub port is named in the worker's file."""
         directory = copy_workers(self)
         path = os.path.join(directory, "cache_invalidator1.yaml")
-        with open(path) as f:
-            text = f.read()
-        with open(path, "w") as f:
-            f.write(text.replace("tcp:9105", "tcp:9092"))
-        with self.assertRaises(ConfigError) as cm:
-            ctl.discover(directory, [])
-        self.assertEqual((cm.exception.path, cm.exception.key), (path, "listeners[0].endpoint"))
-        self.assertIn("master", str(cm.exception))
-        self.assertIn("replication.hub.port", str(cm.exception))
+        replace_in(path, "tcp:9105", "tcp:9092")
+        error = self.discover_error(directory)
+        self.assertEqual((error.path, error.key), (path, "listeners[0].endpoint"))
+        self.assertIn("master", str(error))
+        self.assertIn("replication.hub.port", str(error))
 
 
 def _exists(pid: int) -> bool:
