@@ -10,8 +10,8 @@ from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.resource import Resource
 
 from synflow.federation.transport import TreqFederationTransport
-from tests.federation.fakes import Harness
-from tests.federation.test_inbound import Receiver, mount
+from tests.federation.fakes import Harness, mount_send
+from tests.federation.test_inbound import Receiver
 
 REMOTE = "remote.test"
 
@@ -74,6 +74,6 @@ class EndToEndTest(SynchronousTestCase):
     def _with_transport(self, leaf: Resource) -> Harness:
         clock = Clock()
         clock.advance(1_000_000)
-        self.stub = StubTreq(mount(leaf))
+        self.stub = StubTreq(mount_send(leaf))
         transport = TreqFederationTransport(self.stub, {}, clock, 30.0)
         return Harness(clock=clock, transport=transport)

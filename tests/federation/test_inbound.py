@@ -14,12 +14,12 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
-from twisted.web.resource import Resource
 
 from synflow.errors import HttpApiError
 from synflow.federation.inbound import InboundTransactionHandler, validate_transaction
 from synflow.http.server import JsonResource
 from synflow.http.site import HealthResource, build_site
+from tests.federation.fakes import mount_send
 
 ORIGIN = "remote.test"
 
@@ -225,24 +225,13 @@ class DedupeTest(SynchronousTestCase):
         self.assertEqual(len(r.persisted), 1)
 
 
-def mount(leaf: Resource) -> Resource:
-    root = Resource()
-    node = root
-    for name in (b"_matrix", b"federation", b"v1"):
-        child = Resource()
-        node.putChild(name, child)
-        node = child
-    node.putChild(b"send", leaf)
-    return root
-
-
 class ResourceTest(SynchronousTestCase):
     URL = "https://local.test/_matrix/federation/v1/send/"
 
     def test_resource_answers_json(self):
         """PUT /send/{txnId} answers the handler's JSON: 200 for a good transaction, 400 for garbage."""
         r = Receiver()
-        stub = StubTreq(mount(r.handler.resource()))
+        stub = StubTreq(mount_send(r.handler.resource()))
         resp = self.successResultOf(stub.put(self.URL + "t%201", data=body()))
         self.assertEqual(resp.code, 200)
         self.assertTrue(resp.headers.getRawHeaders(b"content-type")[0].startswith(b"application/json"))
@@ -255,7 +244,7 @@ class ResourceTest(SynchronousTestCase):
     def test_resource_passes_the_authenticated_origin(self):
         """The origin from origin_of(request) must match the body's origin, else 400 M_FORBIDDEN."""
         r = Receiver()
-        stub = StubTreq(mount(r.handler.resource(origin_of=lambda request: "other.test")))
+        stub = StubTreq(mount_send(r.handler.resource(origin_of=lambda request: "other.test")))
         resp = self.successResultOf(stub.put(self.URL + "t1", data=body()))
         self.assertEqual(resp.code, 400)
         self.assertEqual(self.successResultOf(resp.json())["errcode"], "M_FORBIDDEN")
@@ -265,7 +254,7 @@ class ResourceTest(SynchronousTestCase):
         """A slow persist is answered once it finishes."""
         r = Receiver()
         r.hold = []
-        stub = StubTreq(mount(r.handler.resource()))
+        stub = StubTreq(mount_send(r.handler.resource()))
         d = stub.put(self.URL + "t1", data=body())
         self.assertNoResult(d)
         r.hold.pop().callback(None)
@@ -274,7 +263,7 @@ class ResourceTest(SynchronousTestCase):
 
     def test_resource_needs_a_transaction_id(self):
         """PUT /send without a transaction ID is a 404."""
-        stub = StubTreq(mount(Receiver().handler.resource()))
+        stub = StubTreq(mount_send(Receiver().handler.resource()))
         resp = self.successResultOf(stub.put(self.URL, data=body()))
         self.assertEqual(resp.code, 404)
 
