@@ -139,7 +139,35 @@ class Sent:
         return len(self.body.get("edus", []))
 
 
-class FakeTransport:
+class _Recorder:
+    """What :class:`FakeTransport` and :class:`TreqRemote` share: the record of
+    transactions, the per-destination script and the in-flight counts."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.sent: list[Sent] = []
+        self.script: dict[str, list[Any]] = defaultdict(list)
+        self.default: Any = "ok"
+        self.in_flight: dict[str, int] = defaultdict(int)
+        self.max_in_flight: dict[str, int] = defaultdict(int)
+
+    def _arrived(self, destination: str, txn_id: str, body: dict[str, Any]) -> tuple[Sent, Any]:
+        """Record a transaction, now in flight; returns it and its scripted outcome."""
+        sent = Sent(destination, txn_id, body, self.clock.seconds())
+        self.sent.append(sent)
+        self.in_flight[destination] += 1
+        self.max_in_flight[destination] = max(self.max_in_flight[destination], self.in_flight[destination])
+        script = self.script[destination]
+        return sent, (script.pop(0) if script else self.default)
+
+    def to(self, destination: str) -> list[Sent]:
+        return [s for s in self.sent if s.destination == destination]
+
+    def events_to(self, destination: str) -> list[str]:
+        return [e for s in self.to(destination) for e in s.event_ids]
+
+
+class FakeTransport(_Recorder):
     """Records transactions; answers each from a per-destination script.
 
     A script entry is ``"ok"``, ``"hold"`` (answered by :meth:`release`) or
@@ -147,21 +175,11 @@ class FakeTransport:
     """
 
     def __init__(self, clock: Clock) -> None:
-        self.clock = clock
-        self.sent: list[Sent] = []
-        self.script: dict[str, list[Any]] = defaultdict(list)
-        self.default: Any = "ok"
+        super().__init__(clock)
         self.held: list[tuple[Sent, Deferred[dict[str, Any]]]] = []
-        self.in_flight: dict[str, int] = defaultdict(int)
-        self.max_in_flight: dict[str, int] = defaultdict(int)
 
     def send_transaction(self, destination: str, txn_id: str, body: dict[str, Any]) -> Deferred[dict[str, Any]]:
-        sent = Sent(destination, txn_id, body, self.clock.seconds())
-        self.sent.append(sent)
-        self.in_flight[destination] += 1
-        self.max_in_flight[destination] = max(self.max_in_flight[destination], self.in_flight[destination])
-        script = self.script[destination]
-        outcome = script.pop(0) if script else self.default
+        sent, outcome = self._arrived(destination, txn_id, body)
         if outcome == "hold":
             d: Deferred[dict[str, Any]] = Deferred()
             self.held.append((sent, d))
@@ -181,18 +199,12 @@ class FakeTransport:
             d.errback(outcome)
         return sent
 
-    def to(self, destination: str) -> list[Sent]:
-        return [s for s in self.sent if s.destination == destination]
-
-    def events_to(self, destination: str) -> list[str]:
-        return [e for s in self.to(destination) for e in s.event_ids]
-
 
 def _ok(body: dict[str, Any]) -> dict[str, Any]:
     return {"pdus": {p["event_id"]: {} for p in body["pdus"]}}
 
 
-class TreqRemote(Resource):
+class TreqRemote(_Recorder, Resource):
     """Remote servers' ``/send`` endpoint, answering like :class:`FakeTransport`'s script.
 
     Mounted at ``/_matrix/federation/v1/send`` behind a
@@ -208,25 +220,15 @@ class TreqRemote(Resource):
     isLeaf = True
 
     def __init__(self, clock: Clock) -> None:
-        super().__init__()
-        self.clock = clock
+        _Recorder.__init__(self, clock)
+        Resource.__init__(self)
         self.stub: StubTreq | None = None
-        self.sent: list[Sent] = []
-        self.script: dict[str, list[Any]] = defaultdict(list)
-        self.default: Any = "ok"
         self.held: list[tuple[Sent, Any]] = []
-        self.in_flight: dict[str, int] = defaultdict(int)
-        self.max_in_flight: dict[str, int] = defaultdict(int)
 
     def render_PUT(self, request: Any) -> Any:
         destination = request.getHeader(b"host").decode().partition(":")[0]
         txn_id = unquote(request.postpath[-1].decode())
-        sent = Sent(destination, txn_id, json.loads(request.content.read()), self.clock.seconds())
-        self.sent.append(sent)
-        self.in_flight[destination] += 1
-        self.max_in_flight[destination] = max(self.max_in_flight[destination], self.in_flight[destination])
-        script = self.script[destination]
-        outcome = script.pop(0) if script else self.default
+        sent, outcome = self._arrived(destination, txn_id, json.loads(request.content.read()))
         if outcome == "hold":
             self.held.append((sent, request))
             return NOT_DONE_YET
@@ -260,12 +262,6 @@ class TreqRemote(Resource):
         if isinstance(outcome, int):
             return outcome, {"errcode": "M_UNKNOWN", "error": f"scripted {outcome}"}
         return 500, {"errcode": "M_UNKNOWN", "error": str(outcome)}
-
-    def to(self, destination: str) -> list[Sent]:
-        return [s for s in self.sent if s.destination == destination]
-
-    def events_to(self, destination: str) -> list[str]:
-        return [e for s in self.to(destination) for e in s.event_ids]
 
 
 def mount_send(leaf: Resource) -> Resource:
