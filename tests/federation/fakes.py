@@ -399,6 +399,17 @@ class Harness:
         assert not self.sender.queue(destination).catching_up
 
 
+class EitherTransport:
+    """A mixin for tests run twice: over :class:`FakeTransport` (``treq = False``)
+    and over the real treq transport on StubTreq (``treq = True``)."""
+
+    treq = False
+
+    def harness(self, **kwargs: Any) -> Harness:
+        """A harness over this class's transport."""
+        return Harness(treq=self.treq, **kwargs)
+
+
 def release_all(testcase: Any, h: Harness, limit: int = 100) -> None:
     """Answer held transactions (and those they lead to) until none is held; fail after ``limit``."""
     for _ in range(limit):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
@@ -11,7 +9,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from synflow.federation.interfaces import DestinationRecord, Pdu
 from synflow.federation.policy import RetryState
 from synflow.tokens import StreamToken
-from tests.federation.fakes import Harness, fast_config, release_all, unreachable
+from tests.federation.fakes import EitherTransport, Harness, fast_config, release_all, unreachable
 
 REMOTE = "remote.test"
 
@@ -21,17 +19,11 @@ def delivered(h: Harness, destination: str = REMOTE) -> list[str]:
     return [p.event_id for t in h.sent_callbacks if t.destination == destination for p in t.pdus]
 
 
-class CatchUpTests:
+class CatchUpTests(EitherTransport):
     """Catch-up: latest event per room, oldest first, vector clocks.
 
     Run twice: over FakeTransport, and over the real treq transport on StubTreq.
     """
-
-    treq = False
-
-    def harness(self, **kwargs: Any) -> Harness:
-        """A harness over this class's transport."""
-        return Harness(treq=self.treq, **kwargs)
 
     def test_latest_event_per_room_oldest_rooms_first_then_exit(self):
         """Catch-up sends the latest event of each room, 50 rooms at a time, oldest first, then leaves."""

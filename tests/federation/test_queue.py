@@ -2,30 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from twisted.trial.unittest import SynchronousTestCase
 
 from synflow.config import BackoffSection
 from synflow.federation.interfaces import DestinationRecord, TransactionFailed
 from synflow.federation.policy import RetryState
 from synflow.tokens import StreamToken
-from tests.federation.fakes import Harness, fast_config, release_all, unreachable
+from tests.federation.fakes import EitherTransport, fast_config, release_all, unreachable
 
 REMOTE = "remote.test"
 
 
-class SingleFlightTests:
+class SingleFlightTests(EitherTransport):
     """One transaction in flight, batches of 50 PDUs and 100 EDUs, oldest first.
 
     Run twice: over FakeTransport, and over the real treq transport on StubTreq.
     """
-
-    treq = False
-
-    def harness(self, **kwargs: Any) -> Harness:
-        """A harness over this class's transport."""
-        return Harness(treq=self.treq, **kwargs)
 
     def test_never_two_transactions_in_flight(self):
         """While a transaction is in flight, new PDUs wait; the next goes only after the reply."""
@@ -93,17 +85,11 @@ class SingleFlightTreqTest(SingleFlightTests, SynchronousTestCase):
     treq = True
 
 
-class BackoffTests:
+class BackoffTests(EitherTransport):
     """Backoff, stable transaction IDs, and the catch-up threshold.
 
     Run twice: over FakeTransport, and over the real treq transport on StubTreq.
     """
-
-    treq = False
-
-    def harness(self, **kwargs: Any) -> Harness:
-        """A harness over this class's transport."""
-        return Harness(treq=self.treq, **kwargs)
 
     def test_retries_back_off_with_growing_intervals_up_to_the_cap(self):
         """A failing destination is retried after 10 s, then about twice as long each time, capped at 80 s."""
@@ -222,17 +208,11 @@ class BackoffTreqTest(BackoffTests, SynchronousTestCase):
     treq = True
 
 
-class StopTests:
+class StopTests(EitherTransport):
     """Stopping waits for the transaction in flight.
 
     Run twice: over FakeTransport, and over the real treq transport on StubTreq.
     """
-
-    treq = False
-
-    def harness(self, **kwargs: Any) -> Harness:
-        """A harness over this class's transport."""
-        return Harness(treq=self.treq, **kwargs)
 
     def test_stop_waits_for_the_transaction_in_flight(self):
         """stop() fires only once the in-flight transaction has finished, and nothing new starts."""

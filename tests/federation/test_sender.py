@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from prometheus_client import REGISTRY
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
@@ -14,6 +12,7 @@ from synflow.federation.policy import RetryState
 from synflow.tokens import StreamToken
 from tests.federation.fakes import (
     LOCAL,
+    EitherTransport,
     Events,
     FakeDestinationStore,
     FakeTransport,
@@ -131,17 +130,11 @@ class StartUpTest(SynchronousTestCase):
         self.successResultOf(h.sender.stop())
 
 
-class RemoteServerUpTests:
+class RemoteServerUpTests(EitherTransport):
     """REMOTE_SERVER_UP resets the backoff and sends at once.
 
     Run twice: over FakeTransport, and over the real treq transport on StubTreq.
     """
-
-    treq = False
-
-    def harness(self, **kwargs: Any) -> Harness:
-        """A harness over this class's transport."""
-        return Harness(treq=self.treq, **kwargs)
 
     def test_remote_server_up_resets_backoff_and_sends_at_once(self):
         """notify_remote_server_up clears the stored backoff and sends the queue without waiting."""
