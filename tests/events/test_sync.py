@@ -5,29 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 from twisted.internet import reactor
-from twisted.internet.defer import Deferred, ensureDeferred, inlineCallbacks, succeed
+from twisted.internet.defer import Deferred, ensureDeferred, inlineCallbacks
 from twisted.internet.task import Clock, deferLater
 from twisted.trial.unittest import TestCase
 
 from synflow.events.sync import CATCH_UP_TIMEOUT_S, SyncHandler
 from synflow.replication.commands import PositionCommand
-from synflow.replication.handler import ReplicationHandler
-from synflow.streams import STREAMS
 from synflow.tokens import StreamToken
 from synflow.tools.client import Client, new_pool
 from tests.cluster import single_master
-
-
-class _NoUpdates:
-    """A catch-up source with nothing to fetch: the rows are read from the store by sync itself."""
-
-    def get_updates(self, instance: str, from_token: int, to_token: int, limit: int = 100) -> Deferred[Any]:
-        return succeed(([], to_token, False))
-
-
-class _Conn:
-    def send_command(self, cmd: Any) -> None:
-        pass
+from tests.replication.fakes import positions_view
 
 
 def _real(seconds: float) -> Deferred[None]:
@@ -53,10 +40,8 @@ class CatchUpTest(TestCase):
         # This process has seen the writer only up to two events before the send.
         self.lag = self.before - 1
         self.clock = Clock()
-        self.view = ReplicationHandler("lagging", self.clock, streams=STREAMS, sources={"events": _NoUpdates()},
-                                       initial_positions={"events": {"master": self.lag}})
-        self.conn = _Conn()
-        self.view.new_connection(self.conn)
+        # Nothing to catch up from: the rows are read from the store by sync itself.
+        self.view, self.conn = positions_view("lagging", self.clock, known={"master": self.lag})
         self.sync = SyncHandler(self.master.store, self.view, self.master.instances, self.clock)
 
     def start(self, timeout_ms: int = 0) -> Deferred[Any]:

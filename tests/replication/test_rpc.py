@@ -9,7 +9,7 @@ from typing import Any
 
 from treq.testing import StubTreq
 from twisted.internet import reactor
-from twisted.internet.defer import Deferred, ensureDeferred, fail, inlineCallbacks, succeed
+from twisted.internet.defer import Deferred, ensureDeferred, fail, inlineCallbacks
 from twisted.internet.error import ConnectionRefusedError
 from twisted.internet.task import Clock, deferLater
 from twisted.internet.testing import MemoryReactorClock
@@ -24,33 +24,16 @@ from synflow.http.site import HealthResource, build_site
 from synflow.replication.commands import PositionCommand
 from synflow.replication.handler import ReplicationHandler
 from synflow.replication.rpc import PREFIX, RESPONSE_CACHE_S, PositionSource, RpcClient, RpcServer
-from synflow.storage.id_generators import MultiWriterIdGenerator
-from synflow.streams import EVENTS, STREAMS
+from tests.replication.fakes import DiscardingConn, positions_view
 
 SECRET = "s"
 
 
-class _NoUpdates:
-    """A catch-up source with nothing to fetch (positions only)."""
-
-    def get_updates(self, instance: str, from_token: int, to_token: int, limit: int = 100) -> Deferred[Any]:
-        return succeed(([], to_token, False))
-
-
-class _Conn:
-    def send_command(self, cmd: Any) -> None:
-        pass
-
-
 def make_positions(
     name: str, clock: Any, *, own: int | None = None, known: dict[str, int] | None = None, wait_s: float = 5.0
-) -> tuple[PositionSource, ReplicationHandler, _Conn]:
+) -> tuple[PositionSource, ReplicationHandler, DiscardingConn]:
     """A real replication handler (writing ``events`` at ``own`` if given) and its PositionSource."""
-    generators = {"events": MultiWriterIdGenerator(EVENTS, name, own, clock)} if own is not None else {}
-    handler = ReplicationHandler(name, clock, streams=STREAMS, sources={"events": _NoUpdates()},
-                                 generators=generators, initial_positions={"events": dict(known or {})})
-    conn = _Conn()
-    handler.new_connection(conn)
+    handler, conn = positions_view(name, clock, own=own, known=known)
     return PositionSource(handler, wait_s), handler, conn
 
 
@@ -196,7 +179,7 @@ class ClientTest(SynchronousTestCase):
         self.reactor = MemoryReactorClock()
 
     def client(self, plan: list[str | None], *, own: int = 1, known_srv: int = 20,
-               wait_s: float = 5.0) -> tuple[RpcClient, _Http, ReplicationHandler, _Conn]:
+               wait_s: float = 5.0) -> tuple[RpcClient, _Http, ReplicationHandler, DiscardingConn]:
         positions, handler, conn = make_positions("caller", self.reactor, own=own, known={"srv": known_srv},
                                                   wait_s=wait_s)
         http = _Http(self.server, plan)
