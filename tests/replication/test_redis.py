@@ -67,20 +67,31 @@ def ev(n):
     return EventsRow(f"$e{n}:hs", "!r:hs", "m.test", None, "@u:hs", None)
 
 
+@inlineCallbacks
+def redis_client(testcase, server, label=None, *, password=None, on_message=None):
+    """A plain txredisapi client on the fake through ``server.endpoint(label)``, disconnected at cleanup.
+
+    With ``on_message``, a subscriber calling ``on_message(channel, message)`` for each message.
+    """
+    factory = txredisapi.RedisFactory(None, None, 1, isLazy=False, password=password)
+    if on_message is not None:
+        class Sub(txredisapi.SubscriberProtocol):
+            def messageReceived(self, pattern, channel, message):
+                on_message(channel, message)
+
+        factory.protocol = Sub
+    factory.startConnecting(server.endpoint(label))
+    testcase.addCleanup(factory.disconnect)
+    conn = yield factory.deferred
+    return conn
+
+
 class FakeRedisTest(TestCase):
     @inlineCallbacks
     def _client(self, server, subscriber=False, password=None):
-        factory = txredisapi.RedisFactory(None, None, 1, isLazy=False, password=password)
         received = []
-        if subscriber:
-            class Sub(txredisapi.SubscriberProtocol):
-                def messageReceived(self, pattern, channel, message):
-                    received.append((channel, message))
-
-            factory.protocol = Sub
-        factory.startConnecting(server.endpoint())
-        self.addCleanup(factory.disconnect)
-        conn = yield factory.deferred
+        on_message = (lambda channel, message: received.append((channel, message))) if subscriber else None
+        conn = yield redis_client(self, server, password=password, on_message=on_message)
         return conn, received
 
     @inlineCallbacks
@@ -105,31 +116,16 @@ class FakeRedisTest(TestCase):
         conn, _ = yield self._client(server, password="s3cret")
         pong = yield conn.ping()
         self.assertEqual(pong, "PONG")
-        factory = txredisapi.RedisFactory(None, None, 1, isLazy=False, password="wrong")
-        factory.startConnecting(server.endpoint())
-        self.addCleanup(factory.disconnect)
-        failure = yield self.assertFailure(factory.deferred, ValueError)
+        failure = yield self.assertFailure(redis_client(self, server, password="wrong"), ValueError)
         self.assertIn("WRONGPASS", str(failure))
 
     @inlineCallbacks
     def test_event_log_and_delayed_subscribe(self):
         """The event log tags each client with its endpoint's label, and a delayed SUBSCRIBE is confirmed late and in order."""
         server = FakeRedisServer(subscribe_delay_s=0.1)
-        factory = txredisapi.RedisFactory(None, None, 1, isLazy=False)
         received = []
-
-        class Sub(txredisapi.SubscriberProtocol):
-            def messageReceived(self, pattern, channel, message):
-                received.append(message)
-
-        factory.protocol = Sub
-        factory.startConnecting(server.endpoint("a"))
-        self.addCleanup(factory.disconnect)
-        sub = yield factory.deferred
-        pub_factory = txredisapi.RedisFactory(None, None, 1, isLazy=False)
-        pub_factory.startConnecting(server.endpoint("b"))
-        self.addCleanup(pub_factory.disconnect)
-        pub = yield pub_factory.deferred
+        sub = yield redis_client(self, server, "a", on_message=lambda channel, message: received.append(message))
+        pub = yield redis_client(self, server, "b")
         confirmed = []
         subscribed = sub.subscribe(["chan"]).addCallback(confirmed.append)
         yield sleep(0.02)
@@ -208,22 +204,6 @@ class RedisTransportOverFakeTest(TestCase):
         yield t.when_ready()
         return t
 
-    @inlineCallbacks
-    def _raw(self, server, subscriber=False):
-        """A plain txredisapi client on the fake (a subscriber's messages are collected)."""
-        received = []
-        factory = txredisapi.RedisFactory(None, None, 1, isLazy=False)
-        if subscriber:
-            class Sub(txredisapi.SubscriberProtocol):
-                def messageReceived(self, pattern, channel, message):
-                    received.append(message)
-
-            factory.protocol = Sub
-        factory.startConnecting(server.endpoint("raw"))
-        self.addCleanup(factory.disconnect)
-        conn = yield factory.deferred
-        return conn, received
-
     def _write(self, gen, ids, ok=True):
         handle = gen.tracker.begin_fetch()
         gen.finish(handle, ids, {i: FactPayload((ev(i),), 0) for i in ids}, ok)
@@ -276,10 +256,7 @@ class RedisTransportOverFakeTest(TestCase):
         """An unparseable message and an unknown stream are logged and ignored; the bus stays up."""
         server = FakeRedisServer()
         gen, writer, reader, (wt, rt), applied = yield self._pair(server)
-        factory = txredisapi.RedisFactory(None, None, 1, isLazy=False)
-        factory.startConnecting(server.endpoint())
-        self.addCleanup(factory.disconnect)
-        pub = yield factory.deferred
+        pub = yield redis_client(self, server)
         yield pub.publish("t:hs", "GARBAGE \x00 line")
         yield pub.publish("t:hs", "POSITION typing w9 1 5")
         yield pub.publish("t:hs", "RDATA typing w9 6 [1]")
@@ -354,7 +331,7 @@ class RedisTransportOverFakeTest(TestCase):
         self.assertEqual(echoed()[0], b"REPLICATE ")
         self.assertEqual(len(echoed()), 5)
         self.assertEqual(receiver.received(), [])
-        pub, _ = yield self._raw(server)
+        pub = yield redis_client(self, server, "raw")
         yield pub.publish("t:hs", "REPLICATE ")
         yield pub.publish("t:hs", "REMOTE_SERVER_UP a.example.com")
         yield wait_until(lambda: len(receiver.received()) >= 2, 5, "another process's commands")
@@ -398,7 +375,7 @@ class RedisTransportOverFakeTest(TestCase):
         rt = yield self._single(server, reader, "reader")
         reader.set_transport(rt)
         log = LogCapture(self, "synflow.replication.handler")
-        pub, _ = yield self._raw(server)
+        pub = yield redis_client(self, server, "raw")
         for line in ("POSITION typing w9 1 5", "RDATA typing w9 6 [1]", "POSITION typing w9 6 9",
                      "RDATA typing w9 10 [2]", "POSITION receipts w9 1 2", "POSITION receipts w9 2 3"):
             yield pub.publish("t:hs", line)
