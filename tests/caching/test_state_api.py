@@ -21,6 +21,15 @@ class StateApiTest(TestCase):
         self.pool = new_pool()
         self.addCleanup(self.pool.closeCachedConnections)
 
+    async def assert_state_refused(self, client: Client, room: str, served: str) -> None:
+        """GET state of ``room`` as ``client`` answers 403; if it is served, fail saying ``served``."""
+        try:
+            await client.request("GET", f"/rooms/{room}/state")
+        except ApiError as e:
+            self.assertEqual(e.code, 403)
+        else:
+            self.fail(served)
+
     def test_state_follows_membership_changes(self) -> Any:
         """GET state is served from the room-state cache and shows each join and leave; non-members get 403."""
         return ensureDeferred(self._state_follows_membership_changes())
@@ -36,12 +45,7 @@ class StateApiTest(TestCase):
         again = await alice.request("GET", f"/rooms/{room}/state")
         self.assertEqual(again["state"], first["state"])
         self.assertEqual(sample("synflow_cache_hits_total", cache="get_current_state_ids") - hits, 1)
-        try:
-            await bob.request("GET", f"/rooms/{room}/state")
-        except ApiError as e:
-            self.assertEqual(e.code, 403)
-        else:
-            self.fail("a non-member read the room's state")
+        await self.assert_state_refused(bob, room, "a non-member read the room's state")
         await bob.join(room)
         joined = await bob.request("GET", f"/rooms/{room}/state")
         self.assertEqual(sorted(joined["state"]["m.room.member"]), sorted([alice.user_id, bob.user_id]))
@@ -49,9 +53,4 @@ class StateApiTest(TestCase):
         after = await bob.request("GET", f"/rooms/{room}/state")
         leave_id = after["state"]["m.room.member"][alice.user_id]
         self.assertNotEqual(leave_id, joined["state"]["m.room.member"][alice.user_id])
-        try:
-            await alice.request("GET", f"/rooms/{room}/state")
-        except ApiError as e:
-            self.assertEqual(e.code, 403)
-        else:
-            self.fail("a user who left could still read the room's state")
+        await self.assert_state_refused(alice, room, "a user who left could still read the room's state")
