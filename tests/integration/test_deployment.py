@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -184,8 +185,17 @@ class GracefulStopTest(TestCase):
 
         senders = gatherResults([ensureDeferred(sender(user, room, writer)) for user, room, writer in senders_of])
         yield wait_until(lambda: sum(1 for a in acked if a[0] == "persister1") >= 200, 60, "load on persister1")
+        # Hold the database's write lock so that persister1 has persists in
+        # flight (begun, not committed) when the SIGTERM arrives: they must
+        # still commit and be acknowledged once the lock goes.
+        lock = sqlite3.connect(cluster.shared["database"]["path"], timeout=30, isolation_level=None)
+        self.addCleanup(lock.close)
+        lock.execute("BEGIN IMMEDIATE")
+        yield sleep(0.5)
         terminated_at = time.monotonic()
         cluster.signal("persister1", signal.SIGTERM)
+        yield sleep(0.5)
+        lock.execute("COMMIT")
         proc = cluster.procs["persister1"]
         yield wait_until(lambda: proc.poll() is not None, 60, "persister1 to exit")
         exited_at = time.monotonic()
@@ -201,7 +211,7 @@ class GracefulStopTest(TestCase):
         self.assertNotIn("Traceback", log)
         # Sends in flight at the SIGTERM were persisted and acknowledged; later ones were refused.
         in_flight = [a for a in acked if a[0] == "persister1" and a[2] < terminated_at < a[3]]
-        self.assertTrue(in_flight, "no send to persister1 was in flight at the SIGTERM")
+        self.assertTrue(in_flight, "no send to persister1 in flight at the SIGTERM was acknowledged")
         self.assertFalse([a for a in acked if a[0] == "persister1" and a[2] > exited_at])
         self.assertTrue(any(w == "persister1" for w, _ in failed), "no send to persister1 failed")
         self.assertTrue(any(a[0] == "persister2" and a[3] > exited_at for a in acked), "persister2 stopped serving")
