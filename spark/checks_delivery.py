@@ -1,13 +1,15 @@
 """Delivery checks: phantom, aborted, premature, duplicate, beyond the token, and undelivered.
 
-A delivered event id is matched to the fact of its stream with that event id (the one with the
-lowest stream id if several). A reader's watermark ``WM(j, W)`` is the highest effective
-position for W among its valid tokens up to seq j: a running maximum over the token components.
-``undelivered`` pairs every completed fact with every reader whose final watermark covers it
-(an equi-join with a small broadcast table), keeps the pairs whose room the reader was ever
-in (:func:`_in_rooms_ever`), removes the delivered ones with an anti-join, and
-finds, for the rest, the first covering token with the ordered as-of of
-:func:`spark.checks_tokens.first_covering` (whose ``rooms`` decide whether the fact was due).
+All of them start from one table with a row per (stream, event id) (:func:`by_event`): the facts
+carrying the event id and the deliveries of it, each gathered with one shuffle. A delivered
+event id is matched to the fact of its stream with that event id (the one with the lowest
+stream id if several). A reader's watermark ``WM(j, W)`` is the highest effective position for
+W among its valid tokens up to seq j: a running maximum over the token components.
+``duplicate_delivery`` reads each event's sorted delivery list. ``undelivered`` gives every
+completed fact the covering readers that could be due it (small broadcast tables), keeps those
+missing from the event's delivery list, and finds, for them, the first covering token with the
+ordered as-of of :func:`spark.checks_tokens.first_covering` (whose rooms list decides whether
+the fact was due).
 """
 
 from __future__ import annotations
@@ -16,19 +18,37 @@ from pyspark.sql import DataFrame, Window
 from pyspark.sql import functions as F
 
 from spark.checks_tokens import first_covering, records
-from spark.common import INF, Context, Sql, finish, lit, sentence, ts, txt, when
+from spark.common import INF, Context, Sql, finish, lit, sentence, small, ts, txt, when
 
 
-def matched(ctx: Context) -> DataFrame:
-    """Deliveries with their token (issue time, validity) and their fact ``f`` (null: none)."""
+def by_event(ctx: Context) -> DataFrame:
+    """One row per (stream, event id) that a fact carries or a reader was given.
+
+    Columns: ``stream, ev``; ``fs``: the facts with that event id sorted by stream id (null:
+    none), ``struct(sid, writer, res, rel_inf, aborted, rel, room)``; ``d``: its deliveries
+    (null: none), ``struct(reader, seq, pos)``. Both sides are grouped by the same key, so the
+    full outer join adds no shuffle.
+    """
     rel_inf = F.coalesce("rel", F.lit(INF))
-    fstar = (ctx.facts.where(F.col("ev").isNotNull())
-             .groupBy("stream", "ev")
-             .agg(F.min(F.struct("sid", "writer", "res", rel_inf.alias("rel_inf"), "aborted", "rel",
-                                 "room")).alias("f"))
-             .withColumnRenamed("ev", "event_id"))
-    tok = ctx.tokens.select("reader", "stream", "seq", "token", "issued", "valid")
-    return ctx.deliveries.join(tok, ["reader", "stream", "seq"]).join(fstar, ["stream", "event_id"], "left")
+    fs = (ctx.facts.where(F.col("ev").isNotNull()).groupBy("stream", "ev")
+          .agg(F.array_sort(F.collect_list(F.struct("sid", "writer", "res", rel_inf.alias("rel_inf"),
+                                                     "aborted", "rel", "room"))).alias("fs")))
+    d = (ctx.deliveries.select("stream", F.col("event_id").alias("ev"), "reader", "seq", "pos")
+         .groupBy("stream", "ev").agg(F.collect_list(F.struct("reader", "seq", "pos")).alias("d")))
+    return fs.join(d, ["stream", "ev"], "full")
+
+
+def _tok(ctx: Context) -> DataFrame:
+    return small(ctx.tokens.select("reader", "stream", "seq", "token", "issued", "valid"), ctx.token_rows)
+
+
+def matched(ctx: Context, e: DataFrame) -> DataFrame:
+    """Deliveries with their token (issue time, validity) and their fact ``f`` (null: none)."""
+    return (e.where(F.col("d").isNotNull())
+            .select("stream", F.col("ev").alias("event_id"), F.try_element_at("fs", F.lit(1)).alias("f"),
+                    F.explode("d").alias("_d"))
+            .select("stream", "event_id", "f", "_d.reader", "_d.seq", "_d.pos")
+            .join(_tok(ctx), ["reader", "stream", "seq"]))
 
 
 def _common(df: DataFrame, check: str, explanation: Sql, **extra: str) -> DataFrame:
@@ -43,34 +63,52 @@ def _who() -> list[str]:
             " (seq ", txt("seq"), ", issued ", ts("issued"), ")"]
 
 
-def phantom_delivery(ctx: Context, m: DataFrame) -> DataFrame:
+def phantom_delivery(ctx: Context, e: DataFrame) -> DataFrame:
     """Delivered event ids that no fact of the stream carries."""
+    m = matched(ctx, e)
     return _common(m.where(F.col("f").isNull()), "phantom_delivery", sentence(
         *_who(), " but no writer of ", txt("stream"), " logged that event: it was invented."))
 
 
-def aborted_delivery(ctx: Context, m: DataFrame) -> DataFrame:
+def aborted_delivery(ctx: Context, e: DataFrame) -> DataFrame:
     """Delivered facts whose reservation was aborted."""
+    m = matched(ctx, e)
     return _common(m.where(F.col("f.aborted")), "aborted_delivery", sentence(
         *_who(), " but ", txt("f.writer"), " aborted that fact (stream id ", txt("f.sid"),
         "): an aborted write was read."))
 
 
-def premature_delivery(ctx: Context, m: DataFrame) -> DataFrame:
+def premature_delivery(ctx: Context, e: DataFrame) -> DataFrame:
     """Facts delivered before they completed (a dirty read)."""
     late = when("f.rel IS NULL", lit("had not completed by the end of the log"),
                 sentence("completed only at ", ts("f.rel")))
     cond = F.col("f.rel").isNull() | (F.col("f.rel") - F.lit(ctx.skew_us) > F.col("issued"))
+    m = matched(ctx, e)
     return _common(m.where(F.col("f").isNotNull() & cond), "premature_delivery", sentence(
         *_who(), " but that fact (stream id ", txt("f.sid"), ", ", txt("f.writer"), ") ", late,
         ": a write was read before it was durable."))
 
 
-def duplicate_delivery(ctx: Context, m: DataFrame) -> DataFrame:
-    """Second and later deliveries of one event id to one reader."""
-    w = Window.partitionBy("reader", "stream", "event_id").orderBy("seq", "pos")
-    df = (m.withColumn("_n", F.row_number().over(w)).withColumn("prev_seq", F.first("seq").over(w))
-          .withColumn("prev_token", F.first("token").over(w)).where(F.col("_n") > 1))
+def duplicate_delivery(ctx: Context, e: DataFrame) -> DataFrame:
+    """Second and later deliveries of one event id to one reader.
+
+    An event's deliveries, sorted by (reader, seq, position), repeat a reader exactly where an
+    element has the reader of the element before it; the first element with that reader is the
+    delivery it repeats.
+    """
+    ds = F.array_sort("d")
+    marked = F.transform(ds, lambda x, i: F.struct(
+        x.alias("x"), F.when(i > 0, F.element_at(ds, i)["reader"]).alias("prev_reader")))
+    repeats = F.filter(marked, lambda y: y["prev_reader"] == y["x"]["reader"])
+    tok = _tok(ctx)
+    df = (e.where(F.size("d") > 1)
+          .select("stream", F.col("ev").alias("event_id"), F.try_element_at("fs", F.lit(1)).alias("f"),
+                  ds.alias("ds"), F.explode(repeats).alias("_r"))
+          .select("stream", "event_id", "f", F.col("_r.x.reader").alias("reader"), F.col("_r.x.seq").alias("seq"),
+                  F.filter("ds", lambda z: z["reader"] == F.col("_r.x.reader"))[0]["seq"].alias("prev_seq"))
+          .join(tok, ["reader", "stream", "seq"])
+          .join(tok.select("reader", "stream", F.col("seq").alias("prev_seq"), F.col("token").alias("prev_token")),
+                ["reader", "stream", "prev_seq"]))
     return _common(df, "duplicate_delivery", sentence(
         *_who(), " although it was already given it with token ", txt("prev_token"), " (seq ",
         txt("prev_seq"), "): the reader sees the fact twice."),
@@ -84,9 +122,10 @@ def watermarks(ctx: Context) -> DataFrame:
     return ctx.comps.select("reader", "stream", "seq", "writer", F.max("eff").over(w).alias("wm"))
 
 
-def delivered_beyond_token(ctx: Context, m: DataFrame) -> DataFrame:
+def delivered_beyond_token(ctx: Context, e: DataFrame) -> DataFrame:
     """Facts delivered with a valid token whose watermark does not cover them."""
-    wm = watermarks(ctx).withColumnRenamed("writer", "_w")
+    wm = small(watermarks(ctx).withColumnRenamed("writer", "_w"), ctx.token_rows * max(1, ctx.writers))
+    m = matched(ctx, e)
     df = (m.where(F.col("valid") & F.col("f").isNotNull()).withColumn("_w", F.col("f.writer"))
           .join(wm, ["reader", "stream", "seq", "_w"]).where(F.col("f.sid") > F.col("wm")))
     return _common(df, "delivered_beyond_token", sentence(
@@ -95,43 +134,64 @@ def delivered_beyond_token(ctx: Context, m: DataFrame) -> DataFrame:
         ": resuming from this token would deliver it again."), claimed_pos="wm")
 
 
-def _in_rooms_ever(ctx: Context, pairs: DataFrame) -> DataFrame:
-    """The (fact, reader) pairs whose room the reader could have been due: a necessary condition.
+def _coverage(ctx: Context) -> tuple[DataFrame, DataFrame]:
+    """Small tables saying which readers a completed fact can be due to.
 
-    A fact is due to a reader only if the covering token's ``rooms`` is null or names the fact's
-    room, so a pair survives if some valid token of the reader has null ``rooms`` or names the
-    room. Both tables are small (distinct room lists, then their rooms), so this cuts the pairs
-    to about the deliveries before the anti-join, and keeps large ``rooms`` lists out of the
-    as-of lookup; the exact per-token test still runs on what is left.
+    Returns:
+        ``(stream, writer) -> cov``: an array of ``(reader, wm, all)``, one per reader with a
+        valid token in the stream: its final watermark for the writer, and whether some valid
+        token of the reader has a null ``rooms`` (it may be due any room's facts);
+        ``(stream, room) -> members``: the readers whose valid tokens' ``rooms`` ever named the
+        room. A fact is due to a reader only if the covering token's ``rooms`` is null or names
+        the fact's room, so a reader that is neither ``all`` nor a member of the fact's room is
+        never due it (a necessary condition; the exact per-token test runs on what is left).
     """
-    lists = ctx.valid.select("reader", "stream", "rooms").distinct()
-    unfiltered = lists.where(F.col("rooms").isNull()).select("reader", "stream", F.lit(True).alias("_all"))
-    member = (lists.where(F.col("rooms").isNotNull())
-              .select("reader", "stream", F.explode("rooms").alias("room")).distinct()
-              .withColumn("_in", F.lit(True)))
-    return (pairs.join(F.broadcast(unfiltered), ["reader", "stream"], "left")
-            .join(F.broadcast(member), ["reader", "stream", "room"], "left")
-            .where(F.col("_all").isNotNull() | F.col("_in").isNotNull()).drop("_all", "_in"))
+    final = ctx.comps.groupBy("stream", "writer", "reader").agg(F.max("eff").alias("wm"))
+    lists = ctx.valid.select("reader", "stream", "lid").distinct()
+    unfiltered = lists.where(F.col("lid").isNull()).select("reader", "stream", F.lit(True).alias("all"))
+    cov = (final.join(unfiltered, ["reader", "stream"], "left")
+           .groupBy("stream", "writer")
+           .agg(F.collect_list(F.struct("reader", "wm", F.coalesce("all", F.lit(False)).alias("all")))
+                .alias("cov")))
+    members = (lists.join(ctx.rooms, ["reader", "stream", "lid"])
+               .groupBy("stream", "room").agg(F.collect_set("reader").alias("members")))
+    return cov, members
 
 
-def undelivered(ctx: Context) -> tuple[DataFrame, DataFrame]:
+def undelivered(ctx: Context, e: DataFrame) -> tuple[DataFrame, DataFrame]:
     """Completed facts covered by a reader's final watermark but never delivered to it.
+
+    Each completed fact meets, through small broadcast tables (:func:`_coverage`), the readers
+    whose final watermark covers it and who could be due its room; only those missing from its
+    event's delivery list (few) go on to the as-of lookup of the first covering token. No
+    (fact, reader) pair is materialised for the facts that were delivered.
 
     Returns:
         The violations, and a one-row frame counting the (reader, fact) pairs still pending
         above the readers' final watermarks.
     """
-    final = ctx.comps.groupBy("stream", "writer", "reader").agg(F.max("eff").alias("wm"))
+    cov, members = _coverage(ctx)
     done = ctx.facts.where(F.col("ev").isNotNull() & F.col("rel").isNotNull() & ~F.col("aborted"))
-    pairs = done.join(F.broadcast(final), ["stream", "writer"])
-    pending = pairs.where(F.col("sid") > F.col("wm")).agg(F.count(F.lit(1)).alias("pending"))
-    due = _in_rooms_ever(ctx, pairs.where(F.col("sid") <= F.col("wm"))).join(
-        ctx.deliveries.select("reader", "stream", F.col("event_id").alias("ev")),
-        ["reader", "stream", "ev"], "left_anti").drop("wm")
-    recs = records(ctx.comps.join(ctx.valid.select("reader", "stream", "seq", "rooms"),
+    pending = done.join(F.broadcast(cov), ["stream", "writer"]).agg(F.coalesce(
+        F.sum(F.size(F.filter("cov", lambda x: x["wm"] < F.col("sid")))), F.lit(0)).cast("bigint").alias("pending"))
+    facts = (e.where(F.col("fs").isNotNull())
+             .select("stream", "ev", "d", F.explode(F.filter(
+                 "fs", lambda f: f["rel"].isNotNull() & ~f["aborted"])).alias("f"))
+             .select("stream", "ev", "d", "f.writer", "f.sid", "f.room", "f.res", "f.rel"))
+    missing = F.filter("cov", lambda x: (x["wm"] >= F.col("sid"))
+                       & (x["all"] | F.coalesce(F.array_contains("members", x["reader"]), F.lit(False)))
+                       & ~F.coalesce(F.exists("d", lambda y: y["reader"] == x["reader"]), F.lit(False)))
+    due = (facts.join(F.broadcast(cov), ["stream", "writer"])
+           .join(F.broadcast(members), ["stream", "room"], "left")
+           .select("stream", "writer", "sid", "room", "ev", "res", "rel", F.explode(missing).alias("x"))
+           .select("stream", "writer", "sid", "room", "ev", "res", "rel", F.col("x.reader").alias("reader")))
+    recs = records(ctx.comps.join(ctx.valid.select("reader", "stream", "seq", "lid"),
                                   ["reader", "stream", "seq"]), ["seq"])
-    df = first_covering(recs, due, ["seq", "token", "issued", "rooms"]).where(
-        F.col("w.rooms").isNull() | F.coalesce(F.array_contains("w.rooms", F.col("room")), F.lit(False)))
+    # Due only if the first covering token has no rooms list, or its list names the fact's room.
+    listed = ctx.rooms.select("reader", "stream", F.col("lid").alias("_lid"), "room", F.lit(True).alias("_in"))
+    df = (first_covering(recs, due, ["seq", "token", "issued", "lid"]).withColumn("_lid", F.col("w.lid"))
+          .join(listed, ["reader", "stream", "_lid", "room"], "left")
+          .where(F.col("w.lid").isNull() | F.col("_in").isNotNull()))
     out = finish(df, "undelivered", stream="stream", reader="reader", writer="writer", stream_id="sid",
                  event_id="ev", room_id="room", reserved_at="res", completed_at="rel",
                  expected_seq="w.seq", token="w.token", issued_at="w.issued", claimed_pos="w.eff",

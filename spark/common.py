@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pyspark import StorageLevel
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
@@ -19,6 +20,24 @@ OUTPUT_TYPES: dict[str, T.DataType] = {
 INF = MAX_LONG
 
 
+#: A table derived from the token log (tokens, their components) is broadcast up to this size.
+BROADCAST_ROWS = 2_000_000
+
+
+def small(df: DataFrame, rows: int) -> DataFrame:
+    """``df`` with a broadcast hint when it has at most :data:`BROADCAST_ROWS` rows (``rows``)."""
+    return F.broadcast(df) if rows <= BROADCAST_ROWS else df
+
+
+def materialise(df: DataFrame) -> DataFrame:
+    """Compute ``df`` now into the block stores and cut its lineage (a local checkpoint).
+
+    The rows are kept serialized (memory, then disk): deserialized rows of tens of millions of
+    facts and deliveries fill the driver's heap and leave the job to the garbage collector.
+    """
+    return df.localCheckpoint(eager=True, storageLevel=StorageLevel.MEMORY_AND_DISK)
+
+
 @dataclass
 class Context:
     """Everything a check needs.
@@ -29,8 +48,11 @@ class Context:
         tokens: parsed token rows (:mod:`spark.checks_syntax`), all of them.
         valid: the valid tokens, with ``min``, ``comps``, ``claim``.
         deliveries: delivered event ids.
+        rooms: the tokens' rooms lists, ``reader, stream, lid, room`` (tokens carry ``lid``).
         comps: one row per (valid token, writer of the token's stream): ``eff``.
         instances: ``instance_id -> instance_name``.
+        token_rows: the number of token rows (decides which token tables are broadcast).
+        writers: the number of writers.
         first_id: ids below this are never in the future.
         skew_us: the clock-skew allowance, µs.
         unresolved_before: reservations open since before this µs time are unresolved.
@@ -42,8 +64,11 @@ class Context:
     tokens: DataFrame
     valid: DataFrame
     deliveries: DataFrame
+    rooms: DataFrame
     comps: DataFrame
     instances: dict[int, str]
+    token_rows: int
+    writers: int
     first_id: int
     skew_us: int
     unresolved_before: int

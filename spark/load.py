@@ -1,11 +1,13 @@
 """Normalising and validating the input tables into the frames the checks use.
 
 ``facts``: ``stream, writer, sid, room, ev, res, rel, aborted`` (µs; ``rel`` null while in
-flight). ``tokens``: ``reader, stream, seq, token, issued, since, issued_by, rooms``.
-``deliveries``: ``reader, stream, seq, pos, event_id``. All three are materialised, so the
-input is parsed once however many checks read it. They are *locally checkpointed*: computed
-once into the executors' block stores with their lineage cut, which also keeps the query
-plans of the checks small (planning deep plans costs seconds per query).
+flight). ``tokens``: ``reader, stream, seq, token, issued, since, issued_by, lid`` (``lid``: the
+hash of the row's ``rooms`` list, null when there is none). ``deliveries``: ``reader, stream,
+seq, pos, event_id``. ``rooms``: ``reader, stream, lid, room``, one row per room of each distinct
+rooms list. All four are materialised, so the input is parsed once however many checks read it.
+They are *locally checkpointed*: computed once into the executors' block stores with their
+lineage cut, which also keeps the query plans of the checks small (planning deep plans costs
+seconds per query).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
+from spark.common import materialise
 from spark.inputs import CORRUPT, InputError, Table, first_line, micros, read_table
 
 
@@ -26,6 +29,7 @@ class Inputs:
         facts: fact rows (see module docstring).
         tokens: token rows without the delivered lists.
         deliveries: one row per delivered event id.
+        rooms: the tokens' rooms lists: ``reader, stream, lid, room`` (``lid`` as in ``tokens``).
         instances: ``instance_id -> instance_name``.
         has_seq: whether the token log carries ``seq`` (else it was derived from ``issued_at``).
         end_of_log: the latest timestamp of the input, µs.
@@ -35,10 +39,15 @@ class Inputs:
     facts: DataFrame
     tokens: DataFrame
     deliveries: DataFrame
+    rooms: DataFrame
     instances: dict[int, str]
     has_seq: bool
     end_of_log: int
     stats: dict
+
+
+class HashClash(Exception):
+    """Two different rooms lists of one reader have the same 64-bit hash (an internal failure)."""
 
 
 def _count(cond) -> F.Column:
@@ -91,7 +100,7 @@ def _facts(t: Table) -> tuple[DataFrame, dict]:
         F.col("completed_at").isNotNull().alias("rel_raw"),
         (F.col("kind").isNull() | (F.col("kind") == "fact")).alias("is_fact"),
         corrupt.alias("corrupt"),
-    ).where("is_fact OR corrupt").localCheckpoint(eager=True)
+    ).where("is_fact OR corrupt").transform(materialise)
     s = norm.agg(
         F.count(F.lit(1)).alias("rows"), _count(F.col("corrupt")).alias("corrupt"),
         _count(F.col("stream").isNull() & ~F.col("corrupt")).alias("null_stream"),
@@ -102,7 +111,8 @@ def _facts(t: Table) -> tuple[DataFrame, dict]:
         _count(F.col("rel_raw") & F.col("rel").isNull()).alias("bad_rel"),
         _count(~F.col("outcome").isin("ok", "aborted")).alias("bad_outcome"),
         _count(F.col("rel").isNull() & ~F.col("corrupt")).alias("in_flight"),
-        F.countDistinct("stream").alias("streams"), F.countDistinct("writer").alias("writers"),
+        # Sets, not countDistinct: two distinct counts would expand every row three times.
+        F.size(F.collect_set("stream")).alias("streams"), F.size(F.collect_set("writer")).alias("writers"),
         F.max("res").alias("max_res"), F.max("rel").alias("max_rel"),
     ).first().asDict()
     problems = _problems(t.path, s, {
@@ -120,7 +130,7 @@ def _facts(t: Table) -> tuple[DataFrame, dict]:
     return facts, s
 
 
-def _tokens(t: Table) -> tuple[DataFrame, DataFrame, dict, bool]:
+def _tokens(t: Table) -> tuple[DataFrame, DataFrame, DataFrame, dict, bool]:
     df = t.df
     has_seq = "seq" in t.columns
     corrupt = F.col(CORRUPT).isNotNull() if CORRUPT in df.columns else F.lit(False)
@@ -130,8 +140,11 @@ def _tokens(t: Table) -> tuple[DataFrame, DataFrame, dict, bool]:
     if not has_seq:
         w = Window.partitionBy("reader", "stream").orderBy("issued", "token")
         base = base.withColumn("seq", F.row_number().over(w).cast("bigint"))
-    tokens = base.withColumn("n_delivered", F.size(F.coalesce("delivered", F.array()))).drop(
-        "delivered").localCheckpoint(eager=True)
+    # A token's rooms list is replaced by its 64-bit hash ``lid``; the distinct lists are kept
+    # once, as (reader, stream, lid, room) rows: lists of thousands of rooms repeated on every
+    # token would otherwise be carried through every token computation.
+    lid = F.when(F.col("rooms").isNotNull(), F.xxhash64("rooms"))
+    tokens = base.drop("delivered").withColumn("lid", lid).transform(materialise)
     s = tokens.agg(
         F.count(F.lit(1)).alias("rows"), _count(F.col("corrupt")).alias("corrupt"),
         _count(F.col("reader").isNull() & ~F.col("corrupt")).alias("null_reader"),
@@ -139,10 +152,9 @@ def _tokens(t: Table) -> tuple[DataFrame, DataFrame, dict, bool]:
         _count(~F.col("issued_raw") & ~F.col("corrupt")).alias("null_issued"),
         _count(F.col("issued_raw") & F.col("issued").isNull()).alias("bad_issued"),
         _count(F.col("seq").isNull() & ~F.col("corrupt")).alias("null_seq"),
-        _count(F.col("rooms").isNotNull()).alias("with_rooms"),
+        _count(F.col("lid").isNotNull()).alias("with_rooms"),
         _count(F.col("since").isNotNull()).alias("with_since"),
-        F.countDistinct("reader").alias("readers"), F.max("issued").alias("max_issued"),
-        F.sum("n_delivered").alias("deliveries"),
+        F.size(F.collect_set("reader")).alias("readers"), F.max("issued").alias("max_issued"),
     ).first().asDict()
     problems = _problems(t.path, s, {
         "corrupt": f"unreadable record(s){_corrupt_example(t) if s['corrupt'] else ''}",
@@ -153,11 +165,19 @@ def _tokens(t: Table) -> tuple[DataFrame, DataFrame, dict, bool]:
         problems.append(f"{t.path}: the token log is empty: nothing to validate")
     if problems:
         raise InputError("; ".join(problems))
-    deliveries = (base.select("reader", "stream", "seq",
-                              F.posexplode_outer("delivered").alias("pos", "event_id"))
-                  .where(F.col("event_id").isNotNull())
-                  .localCheckpoint(eager=True))
-    return tokens.drop("issued_raw", "corrupt", "n_delivered"), deliveries, s, has_seq
+    # The delivered lists are read once, here (the token rows above leave them out).
+    exploded = (base.select("reader", "stream", "seq", F.posexplode("delivered").alias("pos", "event_id"))
+                .transform(materialise))
+    s["deliveries"] = exploded.count()
+    deliveries = exploded.where(F.col("event_id").isNotNull())
+    lists = (base.where(F.col("rooms").isNotNull()).select("reader", "stream", lid.alias("lid"), "rooms")
+             .distinct().transform(materialise))
+    clash = lists.groupBy("reader", "stream", "lid").count().where("count > 1").limit(1).collect()
+    if clash:  # two different lists with one 64-bit hash: never silently merge them
+        raise HashClash(f"rooms lists of reader {clash[0]['reader']} share the hash {clash[0]['lid']}")
+    rooms = (lists.select("reader", "stream", "lid", F.explode("rooms").alias("room")).distinct()
+             .transform(materialise))
+    return tokens.drop("issued_raw", "corrupt", "rooms"), deliveries, rooms, s, has_seq
 
 
 def load(spark: SparkSession, logs: str) -> Inputs:
@@ -170,8 +190,8 @@ def load(spark: SparkSession, logs: str) -> Inputs:
     try:
         instances = _instances(tables["instance_map"])
         facts, fstats = _facts(tables["writer_logs"])
-        tokens, deliveries, tstats, has_seq = _tokens(tables["token_logs"])
-    except InputError:
+        tokens, deliveries, rooms, tstats, has_seq = _tokens(tables["token_logs"])
+    except (InputError, HashClash):
         raise
     except Exception as e:  # unreadable files surface as Spark errors during the first pass
         raise InputError(f"cannot read the input under {logs}: {first_line(e)}") from e
@@ -186,4 +206,4 @@ def load(spark: SparkSession, logs: str) -> Inputs:
                        "rows_with_rooms": tstats["with_rooms"], "rows_with_since": tstats["with_since"]},
         "instance_map": {"format": tables["instance_map"].fmt, "rows": len(instances)},
     }
-    return Inputs(facts, tokens, deliveries, instances, has_seq, end, stats)
+    return Inputs(facts, tokens, deliveries, rooms, instances, has_seq, end, stats)

@@ -35,7 +35,7 @@ from spark.checks import (
     DEFAULT_FIRST_ID,
     DEFAULT_UNRESOLVED_AFTER_S,
 )
-from spark.common import Context
+from spark.common import Context, materialise
 from spark.inputs import InputError
 from spark.load import Inputs, load
 from spark.report import exit_code, remove, write_outputs, write_violations
@@ -122,10 +122,12 @@ def _stage(name: str, dfs: dict[str, DataFrame], args: argparse.Namespace, summa
 
 def build_context(spark: SparkSession, inputs: Inputs, args: argparse.Namespace) -> Context:
     """Parse the tokens and build the token components (both materialised) for the checks."""
-    tokens = checks_syntax.parse_tokens(inputs.tokens, inputs.instances).localCheckpoint(eager=True)
+    tokens = checks_syntax.parse_tokens(inputs.tokens, inputs.instances).transform(materialise)
     valid = tokens.where("valid")
-    comps = checks_syntax.components(valid, inputs.facts, inputs.instances).localCheckpoint(eager=True)
-    return Context(spark, inputs.facts, tokens, valid, inputs.deliveries, comps, inputs.instances,
+    comps = checks_syntax.components(valid, inputs.facts, inputs.instances).transform(materialise)
+    return Context(spark, inputs.facts, tokens, valid, inputs.deliveries, inputs.rooms, comps,
+                   inputs.instances, inputs.stats["token_logs"]["rows"],
+                   inputs.stats["writer_logs"]["writers"],
                    args.first_id, int(args.clock_skew_ms * 1000),
                    inputs.end_of_log - int(args.unresolved_after_s * 1_000_000),
                    max(1, int(args.bucket_s * 1_000_000)))
@@ -134,8 +136,8 @@ def build_context(spark: SparkSession, inputs: Inputs, args: argparse.Namespace)
 def stages(ctx: Context, wanted: set[str]) -> Iterator[tuple[str, dict[str, DataFrame], DataFrame | None]]:
     """Each stage's name, the violation frames of its wanted checks, and its pending-count frame.
 
-    Lazily: a stage's shared intermediate (the matched deliveries) is materialised only when
-    the stage is reached. The pending frame (one row, one count) is None except for
+    Lazily: the delivery stages' shared table (:func:`spark.checks_delivery.by_event`) is
+    materialised only when they are reached. The pending frame (one row, one count) is None except for
     ``undelivered``.
     """
     for stage, table in (("syntax", checks_syntax.CHECKS), ("writer", checks_writer.CHECKS),
@@ -143,11 +145,13 @@ def stages(ctx: Context, wanted: set[str]) -> Iterator[tuple[str, dict[str, Data
         dfs = {n: fn(ctx) for n, fn in table.items() if n in wanted}
         if dfs:
             yield stage, dfs, None
+    if not wanted & {*checks_delivery.CHECKS, "undelivered"}:
+        return
+    e = checks_delivery.by_event(ctx).transform(materialise)
     if wanted & set(checks_delivery.CHECKS):
-        m = checks_delivery.matched(ctx).localCheckpoint(eager=True)
-        yield "delivery", {n: fn(ctx, m) for n, fn in checks_delivery.CHECKS.items() if n in wanted}, None
+        yield "delivery", {n: fn(ctx, e) for n, fn in checks_delivery.CHECKS.items() if n in wanted}, None
     if "undelivered" in wanted:
-        df, pending = checks_delivery.undelivered(ctx)
+        df, pending = checks_delivery.undelivered(ctx, e)
         yield "undelivered", {"undelivered": df}, pending
 
 

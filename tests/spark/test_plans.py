@@ -44,7 +44,7 @@ class PhysicalPlanTests(TestCase):
         plans = {
             "parse_tokens": physical_plan(checks_syntax.parse_tokens(inputs.tokens, inputs.instances)),
             "components": physical_plan(checks_syntax.components(ctx.valid, ctx.facts, ctx.instances)),
-            "matched": physical_plan(checks_delivery.matched(ctx)),
+            "by_event": physical_plan(checks_delivery.by_event(ctx)),
         }
         for stage, dfs, pending in stages(ctx, set(CHECK_NAMES)):
             plans.update({name: physical_plan(df) for name, df in dfs.items()})
