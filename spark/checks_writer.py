@@ -69,13 +69,16 @@ def writer_sid_regression(ctx: Context) -> DataFrame:
 def sharding_violation(ctx: Context) -> DataFrame:
     """Facts reserved while another writer still held an open reservation in the same room.
 
-    Only rooms with two or more writers are examined. For each such room and each of its writers
+    Only rooms with two or more writers are examined (a broadcast table of them filters the
+    facts). For each such room and each of its writers
     W, W's facts are sorted with the other writers' facts; a running maximum of the others'
     release times tells whether any of them was still open when W reserved.
     """
     f = ctx.facts.where(F.col("room").isNotNull())
+    # The rooms with two or more writers are few (hand-overs): a small table, aggregated map-side,
+    # broadcast so that the facts are filtered without a shuffle.
     multi = f.groupBy("stream", "room").agg(F.countDistinct("writer").alias("k")).where("k > 1")
-    f = f.join(multi.select("stream", "room"), ["stream", "room"], "left_semi")
+    f = f.join(F.broadcast(multi.select("stream", "room")), ["stream", "room"], "left_semi")
     room_writers = f.select("stream", "room", F.col("writer").alias("me")).distinct()
     rel_inf = F.coalesce("rel", F.lit(INF))
     others = (f.join(room_writers, ["stream", "room"]).where(F.col("writer") != F.col("me"))
