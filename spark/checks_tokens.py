@@ -67,9 +67,8 @@ def gap_skip(ctx: Context) -> DataFrame:
             .where(F.col("best") >= F.col("sid")).drop("best"))
     readers = ctx.valid.select("stream", "reader").distinct()
     pairs = cand.join(F.broadcast(readers), "stream")
-    comps = ctx.comps.join(F.broadcast(cand.select("stream", "writer").distinct()), ["stream", "writer"],
-                           "left_semi")
-    recs = records(comps, ["issued", "seq"])
+    # Every writer's records (a small table), so that the candidates are computed once.
+    recs = records(ctx.comps, ["issued", "seq"])
     df = first_covering(recs, pairs, ["issued", "seq", "token"]).where(
         F.col("w").isNotNull() & (F.col("w.issued") < F.col("t")))
     late = when("rel IS NULL", lit("is still in flight at the end of the log"),
@@ -92,7 +91,7 @@ def future_position(ctx: Context) -> DataFrame:
     first = F.lit(ctx.first_id - 1).cast("bigint")
     base = lowest.select("stream", F.least(first, F.when(F.col("m") > F.lit(-INF), F.col("m") - 1)
                                            .otherwise(F.col("m"))).alias("base"))
-    df = (asof_max(events, queries, ["stream"], ctx.bucket_us, inclusive=True)
+    df = (asof_max(events, queries, ["stream"], ctx.bucket_us, inclusive=True, query_rows=ctx.token_rows)
           .join(F.broadcast(base), "stream", "left")
           .withColumn("g", F.greatest("best", F.coalesce("base", first)))
           .where(F.col("claim") > F.col("g")))

@@ -147,7 +147,7 @@ def writer_name(instances: dict[int, str], wid: str) -> Sql:
 
 
 def asof_max(events: DataFrame, queries: DataFrame, keys: list[str], bucket_us: int,
-             inclusive: bool) -> DataFrame:
+             inclusive: bool, query_rows: int | None = None) -> DataFrame:
     """For each query, the max ``v`` of the events with the same keys and an earlier time.
 
     ``events`` has ``keys, t, v``; ``queries`` has ``keys, t`` (``t`` may be :data:`INF`) and any
@@ -155,6 +155,10 @@ def asof_max(events: DataFrame, queries: DataFrame, keys: list[str], bucket_us: 
     cut into buckets: a small table of per-bucket maxima gives the maximum over earlier buckets,
     and a window over one bucket's rows (events and queries together) gives the rest. Every step
     is a sort, an aggregation or an equi-join: O(n log n), parallel across keys and buckets.
+
+    When the queries are few (``query_rows`` at most :data:`BROADCAST_ROWS`), only the events in
+    a bucket that holds a query enter the window (a broadcast semi-join): the others count only
+    through the per-bucket maxima.
 
     Returns:
         ``queries`` with an added column ``best`` (null when no event qualifies).
@@ -170,6 +174,8 @@ def asof_max(events: DataFrame, queries: DataFrame, keys: list[str], bucket_us: 
     # Ties: for a strict comparison queries sort before events at the same time, else after.
     q_order, e_order = (1, 0) if inclusive else (0, 1)
     qcols = [c for c in q.columns if c not in (*keys, "t", "b")]
+    if query_rows is not None and query_rows <= BROADCAST_ROWS:
+        ev = ev.join(F.broadcast(q.select(*keys, "b").distinct()), [*keys, "b"], "left_semi")
     rows = ev.select(*keys, "t", "b", "v", F.lit(e_order).alias("_o"),
                      *[F.lit(None).cast(q.schema[c].dataType).alias(c) for c in qcols])
     rows = rows.unionByName(q.select(*keys, "t", "b", F.lit(None).cast("bigint").alias("v"),
