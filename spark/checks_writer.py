@@ -1,7 +1,7 @@
 """Writer-log checks: duplicates, bad intervals, per-writer id order, room sharding, stuck reservations.
 
 Each aggregates or windows the facts once; context for the explanation is gathered only for the
-violating keys (aggregate first, explain afterwards).
+violating rows (count first, explain afterwards).
 """
 
 from __future__ import annotations
@@ -12,10 +12,18 @@ from pyspark.sql import functions as F
 from spark.common import INF, Context, finish, lit, sentence, ts, txt, when
 
 
+def _repeated(facts: DataFrame, key: str) -> DataFrame:
+    """The facts whose (stream, ``key``) is shared with another fact.
+
+    A count over a window partitioned by the key: one shuffle of the facts, after which the
+    few repeated rows are aggregated where they already are (no second shuffle).
+    """
+    return facts.withColumn("_n", F.count(F.lit(1)).over(Window.partitionBy("stream", key))).where("_n > 1")
+
+
 def duplicate_stream_id(ctx: Context) -> DataFrame:
     """Stream ids used by more than one fact of a stream."""
-    dups = ctx.facts.groupBy("stream", "sid").agg(F.count(F.lit(1)).alias("n")).where("n > 1")
-    df = (ctx.facts.join(dups, ["stream", "sid"], "left_semi").groupBy("stream", "sid")
+    df = (_repeated(ctx.facts, "sid").groupBy("stream", "sid")
           .agg(F.count(F.lit(1)).alias("n"), F.min(F.struct("res", "writer", "ev")).alias("a"),
                F.max(F.struct("res", "writer", "ev")).alias("b")))
     return finish(df, "duplicate_stream_id", stream="stream", stream_id="sid", writer="a.writer",
@@ -28,9 +36,7 @@ def duplicate_stream_id(ctx: Context) -> DataFrame:
 
 def duplicate_event_id(ctx: Context) -> DataFrame:
     """Event ids carried by more than one fact of a stream."""
-    f = ctx.facts.where(F.col("ev").isNotNull())
-    dups = f.groupBy("stream", "ev").agg(F.count(F.lit(1)).alias("n")).where("n > 1")
-    df = (f.join(dups, ["stream", "ev"], "left_semi").groupBy("stream", "ev")
+    df = (_repeated(ctx.facts.where(F.col("ev").isNotNull()), "ev").groupBy("stream", "ev")
           .agg(F.count(F.lit(1)).alias("n"), F.min(F.struct("sid", "writer")).alias("a"),
                F.max(F.struct("sid", "writer")).alias("b")))
     return finish(df, "duplicate_event_id", stream="stream", event_id="ev", stream_id="a.sid",
