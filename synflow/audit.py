@@ -182,29 +182,46 @@ class AuditLog:
         if self.enabled:
             self._writer.flush()
 
-    def audited_high_water(self, stream: str) -> tuple[int, int]:
-        """The highest stream ID and the latest ``reserved_at`` of ``stream`` in this writer's log.
+    def recovery_view(self, stream: str) -> tuple[int, dict[int, int]]:
+        """What this writer's log holds of ``stream``, for re-recording facts after a crash.
 
-        Both are 0 if the log records none. Reads the two newest part files: IDs
-        and reservation times only grow, so older files hold lower ones.
+        Returns the last position the log records as announced (0 if none)
+        and the ``reserved_at`` of every fact read, by stream ID. Part files
+        are read newest first until one with an announcement has been read
+        and an older part holds no fact above it. Facts above the last
+        announced position may have been logged before that announcement
+        (they completed out of order); every fact at or below it was logged
+        before it. So every fact this writer could have logged above the
+        position is in the result.
         """
         directory = self._writer.directory
         if not os.path.isdir(directory):
-            return 0, 0
-        parts = sorted((os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(".jsonl")),
-                       key=os.path.getmtime)[-2:]
-        top = latest = 0
-        for path in parts:
+            return 0, {}
+        names = [n for n in os.listdir(directory) if n.endswith(".jsonl")]
+        paths = sorted((os.path.join(directory, n) for n in names),
+                       key=lambda p: (os.path.getmtime(p), p), reverse=True)
+        announced: int | None = None
+        reserved: dict[int, int] = {}
+        for path in paths:
+            above = False
             with open(path, encoding="utf-8") as f:
                 for line in f:
                     try:
                         record = json.loads(line)
                     except ValueError:
                         continue  # a line cut short by a crash
-                    if record.get("kind") is None and record.get("stream") == stream:
-                        top = max(top, int(record.get("stream_id") or 0))
-                        latest = max(latest, int(record.get("reserved_at") or 0))
-        return top, latest
+                    if record.get("stream") != stream:
+                        continue
+                    if record.get("kind") == "position":
+                        position = int(record.get("position") or 0)
+                        announced = position if announced is None else max(announced, position)
+                    elif record.get("kind") is None:
+                        stream_id = int(record.get("stream_id") or 0)
+                        reserved[stream_id] = int(record.get("reserved_at") or 0)
+                        above = above or announced is None or stream_id > announced
+            if announced is not None and not above:
+                break
+        return announced or 0, reserved
 
     def instances(self, mapping: Mapping[int, str]) -> None:
         """Record instance IDs this process knows (rewritten when it grows)."""

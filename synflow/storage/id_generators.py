@@ -30,6 +30,7 @@ start with an explanation.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -167,28 +168,44 @@ async def recover_audit(db: Any, audit: AuditLog, instance_name: str) -> int:
     """Re-record events committed by a previous run of this writer but missing from its audit log.
 
     A crash between a commit and the audit write loses those records; the
-    events themselves are in the database. They are recorded with the time
-    the event was received (before its commit), but never earlier than the
-    latest reservation already in the log or a lower recovered ID's recorded
-    time: IDs are reserved in order, so a higher ID was reserved after every
-    lower one (a received time can precede a concurrent request's reservation,
-    and ``received_ts`` has only millisecond precision). Both recorded times
-    stay at or before the real ones. Returns how many.
+    events themselves are in the database, and readers catch up on them.
+    Every committed event above the last position the log records as
+    announced is compared with the log: persisters complete out of order, so
+    a missing event may lie below IDs that were logged.
+
+    A missing event is recorded as reserved and completed at the time it was
+    received (before its commit), moved up to the reservation of the nearest
+    lower ID in the log and down to that of the nearest higher one: IDs are
+    reserved in order, so the real reservation lies between them (a received
+    time can precede a concurrent request's reservation, and ``received_ts``
+    has only millisecond precision). Both recorded times stay at or before
+    the real completion. Returns how many events were re-recorded.
     """
     if not audit.enabled:
         return 0
-    after, latest_reserved = audit.audited_high_water("events")
-    rows = await db.run_interaction("unaudited_events", unaudited_events_txn, instance_name, after,
+    announced, logged = audit.recovery_view("events")
+    rows = await db.run_interaction("unaudited_events", unaudited_events_txn, instance_name, announced,
                                     read_only=True, idempotent=True)
-    at = latest_reserved
+    ids = sorted(logged)
+    recovered = 0
     for stream_id, room_id, event_id, ts_ms in rows:  # in stream ID order
-        at = max(ts_ms * 1000, at)
+        if stream_id in logged:
+            continue
+        i = bisect.bisect_left(ids, stream_id)
+        at = ts_ms * 1000
+        if i > 0:
+            at = max(at, logged[ids[i - 1]])
+        if i < len(ids):
+            at = min(at, logged[ids[i]])
         audit.fact("events", stream_id, room_id=room_id, event_id=event_id, reserved_at=at,
                    completed_at=at, ok=True)
-    if rows:
+        logged[stream_id] = at
+        ids.insert(i, stream_id)
+        recovered += 1
+    if recovered:
         audit.flush_facts()
-        logger.warning("re-recorded %d committed events missing from the audit log (after a crash)", len(rows))
-    return len(rows)
+        logger.warning("re-recorded %d committed events missing from the audit log (after a crash)", recovered)
+    return recovered
 
 
 def persist_position_txn(txn: Txn, stream: str, instance_name: str, position: int) -> None:

@@ -61,3 +61,41 @@ class RecoverAuditTest(TestCase):
         self.assertEqual([r["stream_id"] for r in by_time], [319, 322, 323, 324])
         # Nothing is recorded twice on a second start-up.
         self.assertEqual(await recover_audit(db, audit, WRITER), 0)
+
+    async def test_event_below_logged_ids_is_recovered(self) -> None:
+        """An event committed below IDs that completed and were logged before it is re-recorded once."""
+        db = await make_database(self, "sqlite")
+        directory = os.path.abspath(self.mktemp())
+        audit = AuditLog(directory, WRITER, reactor)
+        self.addCleanup(audit.close)
+        base = 1_800_000_000_000_000
+        # The position reached 358; 360, 362 and 363 then completed and were
+        # logged while 359's transaction was still running. 359 committed, and
+        # the process died before it could log or announce it; 364 committed
+        # after the last log write.
+        audit.fact("events", 358, room_id="!r:hs", event_id="$358", reserved_at=base, completed_at=base + 9,
+                   ok=True)
+        audit.position("events", 358)
+        for sid in (360, 362, 363):
+            audit.fact("events", sid, room_id="!r:hs", event_id=f"${sid}", reserved_at=base + (sid - 358) * 1000,
+                       completed_at=base + (sid - 358) * 1000 + 500, ok=True)
+        audit.flush_facts()
+        for sid in (358, 359, 360, 362, 363, 364):
+            await db.run_interaction("insert", _insert_event_txn, sid, f"${sid}", base // 1000 + (sid - 358))
+        # 359's request was received late (after 360's reservation): it is recorded
+        # no later than 360's reservation, so the log's IDs still grow with time.
+        await db.run_interaction("delete", lambda txn: txn.execute(
+            "UPDATE events SET received_ts = ? WHERE stream_ordering = 359", (base // 1000 + 3,)))
+
+        self.assertEqual(await recover_audit(db, audit, WRITER), 2)
+
+        records = [r for path in glob.glob(os.path.join(directory, "writer_logs", WRITER, "*.jsonl"))
+                   for r in read_jsonl(path) if r.get("kind") is None]
+        by_id = {r["stream_id"]: r for r in records}
+        self.assertEqual(sorted(r["stream_id"] for r in records), [358, 359, 360, 362, 363, 364])
+        self.assertEqual(by_id[359]["reserved_at"], by_id[360]["reserved_at"])
+        self.assertEqual(by_id[359]["completed_at"], by_id[359]["reserved_at"])
+        self.assertEqual(by_id[364]["reserved_at"], (base // 1000 + 6) * 1000)
+        by_time = sorted(records, key=lambda r: (r["reserved_at"], r["stream_id"]))
+        self.assertEqual([r["stream_id"] for r in by_time], [358, 359, 360, 362, 363, 364])
+        self.assertEqual(await recover_audit(db, audit, WRITER), 0)
