@@ -98,7 +98,13 @@ async def setup_replication(
         if writes_stream(config, stream):
             if name == "events" and audit is not None:
                 await recover_audit(db, audit, me)
-            start = max(state.last_allocated, view.get(me, 1), state.own_max_row or 1)
+            # Start from what this writer is known to have completed, not from the
+            # sequence: on PostgreSQL IDs a killed predecessor reserved but never
+            # committed are spent, and no log or row shows they were ever
+            # allocated. Claiming them would hand out a position beyond every
+            # recorded reservation; the writer leaps past them once it hears
+            # another writer's position (or completes a higher ID of its own).
+            start = max(view.get(me, 1), state.own_max_row or 1)
             gen = MultiWriterIdGenerator(stream, me, start, reactor, audit)
             gen.persisted_position = state.positions.get(me, 0)
             generators[name] = gen
