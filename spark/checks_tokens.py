@@ -63,7 +63,8 @@ def gap_skip(ctx: Context) -> DataFrame:
     events = ctx.comps.select("stream", "writer", F.col("issued").alias("t"), F.col("eff").alias("v"))
     due = F.when(F.col("rel").isNull(), F.lit(INF)).otherwise(F.col("rel") - F.lit(ctx.skew_us))
     queries = ctx.facts.select("stream", "writer", due.alias("t"), "sid", "ev", "room", "res", "rel")
-    cand = (asof_max(events, queries, ["stream", "writer"], ctx.bucket_us, inclusive=False)
+    cand = (asof_max(events, queries, ["stream", "writer"], ctx.bucket_us, inclusive=False,
+                     few="events", few_rows=ctx.token_rows * max(1, ctx.writers))
             .where(F.col("best") >= F.col("sid")).drop("best"))
     readers = ctx.valid.select("stream", "reader").distinct()
     pairs = cand.join(F.broadcast(readers), "stream")
@@ -91,7 +92,8 @@ def future_position(ctx: Context) -> DataFrame:
     first = F.lit(ctx.first_id - 1).cast("bigint")
     base = lowest.select("stream", F.least(first, F.when(F.col("m") > F.lit(-INF), F.col("m") - 1)
                                            .otherwise(F.col("m"))).alias("base"))
-    df = (asof_max(events, queries, ["stream"], ctx.bucket_us, inclusive=True, query_rows=ctx.token_rows)
+    df = (asof_max(events, queries, ["stream"], ctx.bucket_us, inclusive=True, few="queries",
+                   few_rows=ctx.token_rows)
           .join(F.broadcast(base), "stream", "left")
           .withColumn("g", F.greatest("best", F.coalesce("base", first)))
           .where(F.col("claim") > F.col("g")))

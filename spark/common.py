@@ -146,42 +146,86 @@ def writer_name(instances: dict[int, str], wid: str) -> Sql:
     return Sql(f"coalesce(try_element_at({name_map(instances)}, {wid}), cast({wid} AS STRING))")
 
 
-def asof_max(events: DataFrame, queries: DataFrame, keys: list[str], bucket_us: int,
-             inclusive: bool, query_rows: int | None = None) -> DataFrame:
-    """For each query, the max ``v`` of the events with the same keys and an earlier time.
+#: The as-of computation with few events cuts time into at most about this many buckets (over all
+#: its keys): each one is an element of the broadcast prefix arrays.
+MAX_BUCKETS = 4_000_000
 
-    ``events`` has ``keys, t, v``; ``queries`` has ``keys, t`` (``t`` may be :data:`INF`) and any
-    other columns. An event counts when ``event.t < query.t`` (``<=`` when ``inclusive``). Time is
-    cut into buckets: a small table of per-bucket maxima gives the maximum over earlier buckets,
-    and a window over one bucket's rows (events and queries together) gives the rest. Every step
-    is a sort, an aggregation or an equi-join: O(n log n), parallel across keys and buckets.
 
-    When the queries are few (``query_rows`` at most :data:`BROADCAST_ROWS`), only the events in
-    a bucket that holds a query enter the window (a broadcast semi-join): the others count only
-    through the per-bucket maxima.
-
-    Returns:
-        ``queries`` with an added column ``best`` (null when no event qualifies).
-    """
-    bucket = F.floor(F.col("t") / F.lit(bucket_us)).cast("bigint")
-    ev = events.select(*keys, "t", "v").withColumn("b", bucket)
-    q = queries.withColumn("b", bucket)
-    per_bucket = ev.groupBy(*keys, "b").agg(F.max("v").alias("bmax"))
-    q_buckets = q.select(*keys, "b").distinct().withColumn("bmax", F.lit(None).cast("bigint"))
-    table = per_bucket.unionByName(q_buckets).groupBy(*keys, "b").agg(F.max("bmax").alias("bmax"))
-    before = Window.partitionBy(*keys).orderBy("b").rowsBetween(Window.unboundedPreceding, -1)
-    prefix = table.select(*keys, "b", F.max("bmax").over(before).alias("prefix"))
+def _running(ev: DataFrame, q: DataFrame, keys: list[str], inclusive: bool) -> DataFrame:
+    """Each query's max ``v`` over the events of its own (key, bucket) up to its time: ``inb``."""
     # Ties: for a strict comparison queries sort before events at the same time, else after.
     q_order, e_order = (1, 0) if inclusive else (0, 1)
     qcols = [c for c in q.columns if c not in (*keys, "t", "b")]
-    if query_rows is not None and query_rows <= BROADCAST_ROWS:
-        ev = ev.join(F.broadcast(q.select(*keys, "b").distinct()), [*keys, "b"], "left_semi")
     rows = ev.select(*keys, "t", "b", "v", F.lit(e_order).alias("_o"),
                      *[F.lit(None).cast(q.schema[c].dataType).alias(c) for c in qcols])
     rows = rows.unionByName(q.select(*keys, "t", "b", F.lit(None).cast("bigint").alias("v"),
                                      F.lit(q_order).alias("_o"), *qcols))
     running = Window.partitionBy(*keys, "b").orderBy("t", "_o").rowsBetween(
         Window.unboundedPreceding, Window.currentRow)
-    inb = rows.withColumn("inb", F.max("v").over(running)).where(F.col("_o") == q_order)
-    joined = inb.join(prefix, [*keys, "b"], "left")
-    return joined.select(*keys, "t", *qcols, F.greatest("prefix", "inb").alias("best"))
+    return rows.withColumn("inb", F.max("v").over(running)).where(F.col("_o") == q_order).drop("v", "_o")
+
+
+def asof_max(events: DataFrame, queries: DataFrame, keys: list[str], bucket_us: int,
+             inclusive: bool, few: str, few_rows: int) -> DataFrame:
+    """For each query, the max ``v`` of the events with the same keys and an earlier time.
+
+    ``events`` has ``keys, t, v``; ``queries`` has ``keys, t`` (``t`` may be :data:`INF`) and any
+    other columns. An event counts when ``event.t < query.t`` (``<=`` when ``inclusive``).
+
+    Time is cut into buckets (integer division, so the bucket grows with the time); the maximum
+    over a query's earlier buckets comes from the per-bucket maxima of the events, and a window
+    over the rows of one (key, bucket), events and queries sorted by time together, gives the
+    maximum within the query's own bucket. Which rows that window needs depends on the side that
+    is small (``few``, with ``few_rows`` rows; its buckets are broadcast up to
+    :data:`BROADCAST_ROWS`):
+
+    * ``"queries"`` (tokens against facts): only the events of buckets that hold a query enter
+      the window; the running maximum of the per-bucket maxima is joined to the few queries.
+    * ``"events"`` (token components against facts): only the queries of buckets that hold an
+      event enter the window; every query reads the maximum over its earlier buckets from a
+      broadcast array per key (one element per bucket, by bucket number), so the many queries
+      are never shuffled. The buckets are at least ``bucket_us`` wide, and wider when the events
+      span more than :data:`MAX_BUCKETS` of them.
+
+    The bucket width changes the cost, never the answer. Every step is a scan, an aggregation,
+    a sort or an equi-join: near-linear, and parallel across keys and buckets.
+
+    Returns:
+        ``queries`` with an added column ``best`` (null when no event qualifies).
+    """
+    ev = events.select(*keys, "t", "v")
+    width = max(1, bucket_us)
+    if few == "events":
+        spans = ev.groupBy(*keys).agg(F.min("t").alias("lo"), F.max("t").alias("hi")).collect()
+        width = max(width, -(-sum(r["hi"] - r["lo"] for r in spans) // MAX_BUCKETS))
+    bucket = F.expr(f"t div {width}")  # integer division: monotone in t, exact even for INF
+    ev = ev.withColumn("b", bucket)
+    q = queries.withColumn("b", bucket)
+    qcols = [c for c in q.columns if c not in (*keys, "t", "b")]
+    per_bucket = ev.groupBy(*keys, "b").agg(F.max("v").alias("bmax"))
+    before = Window.partitionBy(*keys).orderBy("b").rowsBetween(Window.unboundedPreceding, -1)
+    if few == "queries":
+        q_buckets = small(q.select(*keys, "b").distinct(), few_rows)
+        table = (per_bucket.unionByName(q_buckets.withColumn("bmax", F.lit(None).cast("bigint")))
+                 .groupBy(*keys, "b").agg(F.max("bmax").alias("bmax")))
+        prefix = table.select(*keys, "b", F.max("bmax").over(before).alias("prefix"))
+        inside = _running(ev.join(q_buckets, [*keys, "b"], "left_semi"), q, keys, inclusive)
+        return (inside.join(prefix, [*keys, "b"], "left")
+                .select(*keys, "t", *qcols, F.greatest("prefix", "inb").alias("best")))
+    # Dense prefix maxima: element i of a key's array is the max over its buckets before b0 + i.
+    ranges = per_bucket.groupBy(*keys).agg(F.min("b").alias("b0"), F.max("b").alias("b1"),
+                                           F.max("bmax").alias("total"))
+    dense = (ranges.select(*keys, F.explode(F.sequence("b0", "b1")).alias("b"))
+             .join(per_bucket, [*keys, "b"], "left")
+             .select(*keys, "b", F.max("bmax").over(before).alias("p"))
+             .groupBy(*keys).agg(F.sort_array(F.collect_list(F.struct("b", "p"))).alias("_a"))
+             .join(ranges, keys)
+             .select(*keys, "b0", "b1", "total", F.transform("_a", lambda x: x["p"]).alias("_prefix")))
+    e_buckets = small(per_bucket.select(*keys, "b"), few_rows)
+    inside = _running(ev, q.join(e_buckets, [*keys, "b"], "left_semi"), keys, inclusive)
+    alone = q.join(e_buckets, [*keys, "b"], "left_anti").withColumn("inb", F.lit(None).cast("bigint"))
+    prefix = (F.when(F.col("b") < F.col("b0"), F.lit(None).cast("bigint"))
+              .when(F.col("b") > F.col("b1"), F.col("total"))
+              .otherwise(F.element_at("_prefix", (F.col("b") - F.col("b0") + 1).cast("int"))))
+    return (inside.unionByName(alone.select(*inside.columns)).join(F.broadcast(dense), keys, "left")
+            .select(*keys, "t", *qcols, F.greatest(prefix, F.col("inb")).alias("best")))
