@@ -7,14 +7,14 @@ seq, pos, event_id``. ``rooms``: ``reader, stream, lid, room``, one row per room
 rooms list. All four are materialised, so the input is parsed once however many checks read it.
 They are *locally checkpointed*: computed once into the executors' block stores with their
 lineage cut, which also keeps the query plans of the checks small (planning deep plans costs
-seconds per query).
+seconds per query). The input statistics are observed during that same pass.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pyspark.sql import DataFrame, SparkSession, Window
+from pyspark.sql import DataFrame, Observation, SparkSession, Window
 from pyspark.sql import functions as F
 
 from spark.common import materialise
@@ -100,9 +100,12 @@ def _facts(t: Table) -> tuple[DataFrame, dict]:
         F.col("completed_at").isNotNull().alias("rel_raw"),
         (F.col("kind").isNull() | (F.col("kind") == "fact")).alias("is_fact"),
         corrupt.alias("corrupt"),
-    ).where("is_fact OR corrupt").transform(materialise)
-    s = norm.agg(
-        F.count(F.lit(1)).alias("rows"), _count(F.col("corrupt")).alias("corrupt"),
+    ).where("is_fact OR corrupt")
+    # The input statistics are observed while the facts are materialised (one pass), and only
+    # the columns the checks use are kept.
+    obs = Observation("writer_logs")
+    facts = norm.observe(
+        obs, F.count(F.lit(1)).alias("rows"), _count(F.col("corrupt")).alias("corrupt"),
         _count(F.col("stream").isNull() & ~F.col("corrupt")).alias("null_stream"),
         _count(F.col("writer").isNull() & ~F.col("corrupt")).alias("null_writer"),
         _count(F.col("sid").isNull() & ~F.col("corrupt")).alias("null_sid"),
@@ -111,10 +114,13 @@ def _facts(t: Table) -> tuple[DataFrame, dict]:
         _count(F.col("rel_raw") & F.col("rel").isNull()).alias("bad_rel"),
         _count(~F.col("outcome").isin("ok", "aborted")).alias("bad_outcome"),
         _count(F.col("rel").isNull() & ~F.col("corrupt")).alias("in_flight"),
-        # Sets, not countDistinct: two distinct counts would expand every row three times.
         F.size(F.collect_set("stream")).alias("streams"), F.size(F.collect_set("writer")).alias("writers"),
         F.max("res").alias("max_res"), F.max("rel").alias("max_rel"),
-    ).first().asDict()
+    ).where(~F.col("corrupt")).select(
+        "stream", "writer", "sid", "room", "ev", "res", "rel",
+        F.coalesce(F.col("outcome") == "aborted", F.lit(False)).alias("aborted"),
+    ).transform(materialise)
+    s = dict(obs.get)
     problems = _problems(t.path, s, {
         "corrupt": f"unreadable record(s){_corrupt_example(t) if s['corrupt'] else ''}",
         "null_stream": "fact(s) without stream", "null_writer": "fact(s) without writer",
@@ -125,8 +131,6 @@ def _facts(t: Table) -> tuple[DataFrame, dict]:
         problems.append(f"{t.path}: no fact rows")
     if problems:
         raise InputError("; ".join(problems))
-    facts = norm.select("stream", "writer", "sid", "room", "ev", "res", "rel",
-                        F.coalesce(F.col("outcome") == "aborted", F.lit(False)).alias("aborted"))
     return facts, s
 
 
@@ -144,9 +148,9 @@ def _tokens(t: Table) -> tuple[DataFrame, DataFrame, DataFrame, dict, bool]:
     # once, as (reader, stream, lid, room) rows: lists of thousands of rooms repeated on every
     # token would otherwise be carried through every token computation.
     lid = F.when(F.col("rooms").isNotNull(), F.xxhash64("rooms"))
-    tokens = base.drop("delivered").withColumn("lid", lid).transform(materialise)
-    s = tokens.agg(
-        F.count(F.lit(1)).alias("rows"), _count(F.col("corrupt")).alias("corrupt"),
+    obs = Observation("token_logs")
+    tokens = base.withColumn("lid", lid).observe(
+        obs, F.count(F.lit(1)).alias("rows"), _count(F.col("corrupt")).alias("corrupt"),
         _count(F.col("reader").isNull() & ~F.col("corrupt")).alias("null_reader"),
         _count(F.col("stream").isNull() & ~F.col("corrupt")).alias("null_stream"),
         _count(~F.col("issued_raw") & ~F.col("corrupt")).alias("null_issued"),
@@ -155,7 +159,10 @@ def _tokens(t: Table) -> tuple[DataFrame, DataFrame, DataFrame, dict, bool]:
         _count(F.col("lid").isNotNull()).alias("with_rooms"),
         _count(F.col("since").isNotNull()).alias("with_since"),
         F.size(F.collect_set("reader")).alias("readers"), F.max("issued").alias("max_issued"),
-    ).first().asDict()
+    ).where(~F.col("corrupt")).select(
+        "reader", "stream", "seq", "token", "issued", "since", "issued_by", "lid",
+    ).transform(materialise)
+    s = dict(obs.get)
     problems = _problems(t.path, s, {
         "corrupt": f"unreadable record(s){_corrupt_example(t) if s['corrupt'] else ''}",
         "null_reader": "row(s) without reader", "null_stream": "row(s) without stream",
@@ -166,10 +173,11 @@ def _tokens(t: Table) -> tuple[DataFrame, DataFrame, DataFrame, dict, bool]:
     if problems:
         raise InputError("; ".join(problems))
     # The delivered lists are read once, here (the token rows above leave them out).
-    exploded = (base.select("reader", "stream", "seq", F.posexplode("delivered").alias("pos", "event_id"))
-                .transform(materialise))
-    s["deliveries"] = exploded.count()
-    deliveries = exploded.where(F.col("event_id").isNotNull())
+    obs = Observation("deliveries")
+    deliveries = (base.select("reader", "stream", "seq", F.posexplode("delivered").alias("pos", "event_id"))
+                  .observe(obs, F.count(F.lit(1)).alias("deliveries"))
+                  .where(F.col("event_id").isNotNull()).transform(materialise))
+    s["deliveries"] = obs.get["deliveries"]
     lists = (base.where(F.col("rooms").isNotNull()).select("reader", "stream", lid.alias("lid"), "rooms")
              .distinct().transform(materialise))
     clash = lists.groupBy("reader", "stream", "lid").count().where("count > 1").limit(1).collect()
@@ -177,7 +185,7 @@ def _tokens(t: Table) -> tuple[DataFrame, DataFrame, DataFrame, dict, bool]:
         raise HashClash(f"rooms lists of reader {clash[0]['reader']} share the hash {clash[0]['lid']}")
     rooms = (lists.select("reader", "stream", "lid", F.explode("rooms").alias("room")).distinct()
              .transform(materialise))
-    return tokens.drop("issued_raw", "corrupt", "rooms"), deliveries, rooms, s, has_seq
+    return tokens, deliveries, rooms, s, has_seq
 
 
 def load(spark: SparkSession, logs: str) -> Inputs:
