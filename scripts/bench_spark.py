@@ -144,12 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for rows in a.rows:
         parquet, meta = prepare(rows, a.readers, a.out)
-        log(f"{rows}: baseline read+count")
+        load = [round(x, 2) for x in os.getloadavg()]  # other work on the machine skews the times
+        log(f"{rows}: baseline read+count (load average {load[0]})")
         base = baseline(parquet)
         log(f"{rows}: baseline {base['wall_s']} s; running the validator (every check)")
         job = validator(parquet, os.path.join(a.out, f"result-{rows}"),
                         os.path.join(os.path.dirname(parquet), "injected.json"))
-        res = {"rows": rows, "corpus": meta, "baseline": base, "validator": job,
+        res = {"rows": rows, "corpus": meta, "baseline": base, "validator": job, "load_average": load,
                "rows_per_s": round(meta["writer_rows"] / job["wall_s"]),
                "baseline_rows_per_s": round(meta["writer_rows"] / base["wall_s"])}
         results.append(res)
