@@ -107,7 +107,8 @@ def duplicate_delivery(ctx: Context, e: DataFrame) -> DataFrame:
           .select("stream", "event_id", "f", F.col("_r.x.reader").alias("reader"), F.col("_r.x.seq").alias("seq"),
                   F.filter("ds", lambda z: z["reader"] == F.col("_r.x.reader"))[0]["seq"].alias("prev_seq"))
           .join(tok, ["reader", "stream", "seq"])
-          .join(tok.select("reader", "stream", F.col("seq").alias("prev_seq"), F.col("token").alias("prev_token")),
+          .join(small(ctx.tokens.select("reader", "stream", F.col("seq").alias("prev_seq"),
+                                        F.col("token").alias("prev_token")), ctx.token_rows),
                 ["reader", "stream", "prev_seq"]))
     return _common(df, "duplicate_delivery", sentence(
         *_who(), " although it was already given it with token ", txt("prev_token"), " (seq ",

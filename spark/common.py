@@ -205,11 +205,11 @@ def asof_max(events: DataFrame, queries: DataFrame, keys: list[str], bucket_us: 
     per_bucket = ev.groupBy(*keys, "b").agg(F.max("v").alias("bmax"))
     before = Window.partitionBy(*keys).orderBy("b").rowsBetween(Window.unboundedPreceding, -1)
     if few == "queries":
-        q_buckets = small(q.select(*keys, "b").distinct(), few_rows)
+        q_buckets = q.select(*keys, "b").distinct()
         table = (per_bucket.unionByName(q_buckets.withColumn("bmax", F.lit(None).cast("bigint")))
                  .groupBy(*keys, "b").agg(F.max("bmax").alias("bmax")))
         prefix = table.select(*keys, "b", F.max("bmax").over(before).alias("prefix"))
-        inside = _running(ev.join(q_buckets, [*keys, "b"], "left_semi"), q, keys, inclusive)
+        inside = _running(ev.join(small(q_buckets, few_rows), [*keys, "b"], "left_semi"), q, keys, inclusive)
         return (inside.join(prefix, [*keys, "b"], "left")
                 .select(*keys, "t", *qcols, F.greatest("prefix", "inb").alias("best")))
     # Dense prefix maxima: element i of a key's array is the max over its buckets before b0 + i.
