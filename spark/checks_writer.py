@@ -9,6 +9,7 @@ from __future__ import annotations
 from pyspark.sql import DataFrame, Window
 from pyspark.sql import functions as F
 
+from spark.checks_delivery import by_event
 from spark.common import INF, Context, finish, lit, sentence, ts, txt, when
 
 
@@ -35,10 +36,15 @@ def duplicate_stream_id(ctx: Context) -> DataFrame:
 
 
 def duplicate_event_id(ctx: Context) -> DataFrame:
-    """Event ids carried by more than one fact of a stream."""
-    df = (_repeated(ctx.facts.where(F.col("ev").isNotNull()), "ev").groupBy("stream", "ev")
-          .agg(F.count(F.lit(1)).alias("n"), F.min(F.struct("sid", "writer")).alias("a"),
-               F.max(F.struct("sid", "writer")).alias("b")))
+    """Event ids carried by more than one fact of a stream.
+
+    Read from the per-event table (:func:`spark.checks_delivery.by_event`), whose facts per
+    event id are sorted by stream id: no shuffle of its own.
+    """
+    e = ctx.events if ctx.events is not None else by_event(ctx)
+    df = e.where(F.size("fs") > 1).select(
+        "stream", "ev", F.size("fs").alias("n"), F.col("fs")[0].alias("a"),
+        F.element_at("fs", -1).alias("b"))
     return finish(df, "duplicate_event_id", stream="stream", event_id="ev", stream_id="a.sid",
                   writer="a.writer", explanation=sentence(
                       "event ", txt("ev"), " appears in ", txt("n"), " facts of stream ",

@@ -57,6 +57,8 @@ class Context:
         skew_us: the clock-skew allowance, µs.
         unresolved_before: reservations open since before this µs time are unresolved.
         bucket_us: width of the as-of time buckets, µs.
+        events: the materialised per-event table (:func:`spark.checks_delivery.by_event`), once
+            a stage needs it.
     """
 
     spark: SparkSession
@@ -73,6 +75,7 @@ class Context:
     skew_us: int
     unresolved_before: int
     bucket_us: int
+    events: DataFrame | None = None
 
 
 class Sql(str):

@@ -136,18 +136,24 @@ def build_context(spark: SparkSession, inputs: Inputs, args: argparse.Namespace)
 def stages(ctx: Context, wanted: set[str]) -> Iterator[tuple[str, dict[str, DataFrame], DataFrame | None]]:
     """Each stage's name, the violation frames of its wanted checks, and its pending-count frame.
 
-    Lazily: the delivery stages' shared table (:func:`spark.checks_delivery.by_event`) is
-    materialised only when they are reached. The pending frame (one row, one count) is None except for
-    ``undelivered``.
+    The per-event table (:func:`spark.checks_delivery.by_event`) shared by
+    ``duplicate_event_id`` and the delivery checks is materialised, into ``ctx.events``, just
+    before the first stage that needs it. The pending frame (one row, one count) is None except
+    for ``undelivered``.
     """
+    needs_events = wanted & {"duplicate_event_id", *checks_delivery.CHECKS, "undelivered"}
     for stage, table in (("syntax", checks_syntax.CHECKS), ("writer", checks_writer.CHECKS),
                          ("tokens", checks_tokens.CHECKS)):
+        if needs_events and ctx.events is None and wanted & {"duplicate_event_id"} & set(table):
+            ctx.events = checks_delivery.by_event(ctx).transform(materialise)
         dfs = {n: fn(ctx) for n, fn in table.items() if n in wanted}
         if dfs:
             yield stage, dfs, None
     if not wanted & {*checks_delivery.CHECKS, "undelivered"}:
         return
-    e = checks_delivery.by_event(ctx).transform(materialise)
+    if ctx.events is None:
+        ctx.events = checks_delivery.by_event(ctx).transform(materialise)
+    e = ctx.events
     if wanted & set(checks_delivery.CHECKS):
         yield "delivery", {n: fn(ctx, e) for n, fn in checks_delivery.CHECKS.items() if n in wanted}, None
     if "undelivered" in wanted:
@@ -167,7 +173,17 @@ def run_checks(spark: SparkSession, args: argparse.Namespace, summary: dict, exa
              f"{inputs.stats['token_logs']['deliveries']} deliveries")
     ctx = build_context(spark, inputs, args)
     summary["timings"]["load"] = round(time.monotonic() - t, 3)
-    for stage, dfs, pending in stages(ctx, set(args.check_names)):
+    steps = stages(ctx, set(args.check_names))
+    while True:
+        t = time.monotonic()
+        step = next(steps, None)
+        if step is None:
+            break
+        stage, dfs, pending = step
+        prepared = time.monotonic() - t  # materialising a shared table, e.g. the per-event one
+        if prepared >= 0.5:
+            summary["timings"][f"{stage}_prepare"] = round(prepared, 3)
+            progress(f"stage {stage}: prepared in {prepared:.1f}s")
         if pending is not None:
             row = pending.first()
             summary["pending"]["above_reader_watermark"] = row[0] if row is not None else 0
