@@ -216,9 +216,17 @@ class SynflowProcess(ProcessService):
         if self.tier is not None:
             self.app_services.addService(_Closer(self.tier.close))
             if config.app == "cache_invalidator":
+                # A restarted invalidator starts at or above every caches fact
+                # written before it started (its own stored position can be
+                # lower): entries filled before then are retired by the
+                # start-up sweep, and nothing later is missed.
+                assert self.replication is not None
+                allocated_at_start = self.replication.allocated_at_start
+                me = config.instance_name
                 invalidator = TierInvalidator(
-                    self.tier, self.caches, config.instance_name, config.caches.cache_invalidator_instances,
-                    self.reactor, start_position=lambda: handler.position("caches", config.instance_name),
+                    self.tier, self.caches, me, config.caches.cache_invalidator_instances,
+                    self.reactor,
+                    start_position=lambda: max(handler.position("caches", me), allocated_at_start.get("caches", 0)),
                 )
                 handler.add_row_handler("caches", invalidator.row_handler)
                 invalidator.setServiceParent(self.app_services)

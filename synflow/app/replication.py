@@ -56,6 +56,9 @@ class Replication:
     hub: ReplicationHub | None = None
     client: ReplicationClientService | None = None
     transport: Any = None
+    #: Each stream's highest allocated ID when this process started (from its
+    #: sequence): at or above every fact written before the start.
+    allocated_at_start: dict[str, int] = attrs.Factory(dict)
 
 
 def core_options(config: SynflowConfig) -> dict[str, Any]:
@@ -81,12 +84,14 @@ async def setup_replication(
     me = config.instance_name
     generators: dict[str, MultiWriterIdGenerator] = {}
     positions: dict[str, dict[str, int]] = {}
+    allocated: dict[str, int] = {}
     for name, stream in STREAMS.items():
         state = await db.run_interaction(
             f"load_stream_{name}", load_stream_state_txn, stream, me, config.database.repair_positions,
             idempotent=True
         )
         view = dict(state.positions)
+        allocated[name] = state.last_allocated
         if stream.writers is Writers.CONFIGURED:
             for writer in config.event_writers:
                 view.setdefault(writer, 1)
@@ -126,7 +131,7 @@ async def setup_replication(
         persist=persist,
     )
     service = MultiService()
-    repl = Replication(handler, StreamWriters(db, generators), service)
+    repl = Replication(handler, StreamWriters(db, generators), service, allocated_at_start=allocated)
     service.addService(_HandlerService(handler))
     if config.replication.transport is Transport.REDIS:
         from synflow.replication.redis import RedisTransportService
