@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 from twisted.internet import reactor
-from twisted.internet.defer import inlineCallbacks
+from twisted.internet.defer import ensureDeferred, inlineCallbacks
 from twisted.internet.task import deferLater
 from twisted.protocols.portforward import ProxyFactory, ProxyServer
 
@@ -87,6 +87,20 @@ def single_master(testcase: Any, extra_yaml: str = "", server_name: str = "api.t
     listener = master.listeners["client"]
     yield listener.when_listening()
     return master, f"http://127.0.0.1:{listener.bound_port}"
+
+
+@inlineCallbacks
+def single_master_with_user(testcase: Any, username: str = "alice"):
+    """:func:`single_master` plus one registered user; returns ``(service, client)``.
+
+    The client's connection pool is closed when the test ends."""
+    from synflow.tools.client import Client, new_pool
+
+    master, url = yield single_master(testcase)
+    pool = new_pool()
+    testcase.addCleanup(pool.closeCachedConnections)
+    client = yield ensureDeferred(Client(url, pool).register(username))
+    return master, client
 
 
 def scrape_metrics(port: int, timeout: float = 5.0) -> dict[str, float]:

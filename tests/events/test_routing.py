@@ -18,8 +18,7 @@ from synflow.errors import HttpApiError
 from synflow.events.persist import CREATE, EventSpec
 from synflow.replication.rpc import PREFIX, PositionSource, RpcClient
 from synflow.sharding import shard_for
-from synflow.tools.client import Client, new_pool
-from tests.cluster import single_master
+from tests.cluster import single_master, single_master_with_user
 
 SERVER = "api.test"
 TWO_WRITERS = (
@@ -116,10 +115,7 @@ class EventIdsAndChainsTest(TestCase):
 
     @inlineCallbacks
     def setUp(self):
-        self.master, url = yield single_master(self)
-        self.pool = new_pool()
-        self.addCleanup(self.pool.closeCachedConnections)
-        self.alice = yield ensureDeferred(Client(url, self.pool).register("alice"))
+        self.master, self.alice = yield single_master_with_user(self)
 
     @inlineCallbacks
     def test_event_ids_and_room_chains(self):

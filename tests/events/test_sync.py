@@ -12,8 +12,7 @@ from twisted.trial.unittest import TestCase
 from synflow.events.sync import CATCH_UP_TIMEOUT_S, SyncHandler
 from synflow.replication.commands import PositionCommand
 from synflow.tokens import StreamToken
-from synflow.tools.client import Client, new_pool
-from tests.cluster import single_master
+from tests.cluster import single_master_with_user
 from tests.replication.fakes import positions_view
 
 
@@ -28,10 +27,7 @@ class CatchUpTest(TestCase):
 
     @inlineCallbacks
     def setUp(self):
-        self.master, url = yield single_master(self)
-        self.pool = new_pool()
-        self.addCleanup(self.pool.closeCachedConnections)
-        self.alice = yield ensureDeferred(Client(url, self.pool).register("alice"))
+        self.master, self.alice = yield single_master_with_user(self)
         room = yield ensureDeferred(self.alice.create_room())
         self.sent = yield ensureDeferred(self.alice.send(room, {"body": "x"}, "t1"))
         ids = yield self.master.instances.ids_for(["master"])
