@@ -34,6 +34,7 @@ from synflow.replication.core import ConnectionCore
 from synflow.replication.hub import ReplicationHub
 from synflow.replication.protocol import ReplicationProtocol
 from synflow.testing import RecordingReceiver, attach, sent_lines
+from tests.cluster import sleep, wait_until
 
 PROTOCOL_DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "protocol.md")
 
@@ -178,11 +179,7 @@ class HubOverTcpTest(TestCase):
         yield bad.closed
         self.assertTrue(bad.lines[-1].startswith("ERROR failed to parse line"), bad.lines)
         good.transport.write(b"NAME good\nPOSITION events good 1 2\n")
-        for _ in range(100):
-            if "POSITION events good 1 2" in other.lines:
-                break
-            yield _sleep(0.02)
-        self.assertIn("POSITION events good 1 2", other.lines)
+        yield wait_until(lambda: "POSITION events good 1 2" in other.lines, 5, "the relayed POSITION", 0.02)
         self.assertFalse(good.closed.called)
 
     @inlineCallbacks
@@ -194,11 +191,7 @@ class HubOverTcpTest(TestCase):
         yield b.wait_lines(2)
         a.transport.write(b"NAME a\n")
         b.transport.write(b"NAME b\nREPLICATE\n")
-        for _ in range(100):
-            if "REPLICATE " in a.lines:
-                break
-            yield _sleep(0.02)
-        self.assertIn("REPLICATE ", a.lines)
+        yield wait_until(lambda: "REPLICATE " in a.lines, 5, "the relayed REPLICATE", 0.02)
         self.assertNotIn("REPLICATE ", b.lines, "the hub echoed REPLICATE to its sender")
 
     @inlineCallbacks
@@ -219,24 +212,18 @@ class HubOverTcpTest(TestCase):
             svc.startService()
             self.addCleanup(svc.stopService)
             clients.append(svc)
-        for _ in range(100):
-            if all(c.connected and c.connection.core.handshake_complete for c in clients):
-                break
-            yield _sleep(0.05)
+        yield wait_until(
+            lambda: all(c.connected and c.connection.core.handshake_complete for c in clients), 5, "both handshakes"
+        )
         clients[0].send_command(RdataCommand("events", "worker0", 5, ["$a:tcp.test"]))
         clients[1].send_command(RdataCommand("events", "worker1", 6, ["$b:tcp.test"]))
-        for _ in range(100):
-            if receivers[0].received(RdataCommand) and receivers[1].received(RdataCommand):
-                break
-            yield _sleep(0.05)
+        yield wait_until(
+            lambda: receivers[0].received(RdataCommand) and receivers[1].received(RdataCommand), 5, "the relayed RDATA"
+        )
         self.assertEqual(receivers[1].received(RdataCommand), [RdataCommand("events", "worker0", 5, ["$a:tcp.test"])])
         self.assertEqual(receivers[0].received(RdataCommand), [RdataCommand("events", "worker1", 6, ["$b:tcp.test"])])
 
 
-def _sleep(seconds):
-    d = Deferred()
-    reactor.callLater(seconds, d.callback, None)
-    return d
 
 
 class HubWithSecretTest(TestCase):
@@ -271,10 +258,6 @@ class HubWithSecretTest(TestCase):
         )
         svc.startService()
         self.addCleanup(svc.stopService)
-        for _ in range(100):
-            if svc.connected and svc.connection.core.handshake_complete:
-                break
-            yield _sleep(0.05)
-        self.assertTrue(svc.connection.core.handshake_complete)
-        yield _sleep(0.2)
+        yield wait_until(lambda: svc.connected and svc.connection.core.handshake_complete, 5, "the handshake")
+        yield sleep(0.2)
         self.assertTrue(svc.connected, "the hub closed an authenticated connection")
