@@ -11,7 +11,9 @@ database, schema wait, replication over the configured transport) and then:
   appended to ``--out`` as it completes; a final ``done`` line carries the
   writer's position. Its position is also appended (``wpos``) whenever it
   changes, checked every 0.1 s, including idle leaps after ``done``, and
-  once more at shutdown.
+  once more at shutdown. With ``--hold-at N`` the N-th transaction, once its
+  rows are inserted, appends its stream IDs to ``<out>.hold`` and stays open
+  (for a test to SIGKILL the process mid-transaction).
 * ``--role reader``: appends every applied batch of rows (``rows``) and every
   position advance (``pos``) of the events stream to ``--out``, in the order
   they happen, and its replication handler's counters (``stats``, e.g.
@@ -54,7 +56,7 @@ class Out:
         self.f.flush()
 
 
-def insert_events_txn(ctx, instance, events, rng, rollback, delay_ms):
+def insert_events_txn(ctx, instance, events, rng, rollback, delay_ms, hold_path=None):
     ids = ctx.allocate("events", len(events))
     for stream_id, (event_id, room_id) in zip(ids, events, strict=True):
         ctx.txn.execute(
@@ -65,6 +67,10 @@ def insert_events_txn(ctx, instance, events, rng, rollback, delay_ms):
         )
         ctx.add_rows("events", stream_id, [EventsRow(event_id, room_id, "m.test", None, "@load:test", None)],
                      room_id=room_id, event_id=event_id)
+    if hold_path is not None:
+        with open(hold_path, "w", encoding="utf-8") as f:
+            json.dump({"sids": ids, "event_ids": [e for e, _ in events]}, f)
+        time.sleep(3600)
     if delay_ms:
         time.sleep(rng.uniform(0, delay_ms) / 1000)
     if rollback:
@@ -108,7 +114,11 @@ def run_writer(proc: ProcessService, args, out: Out):
             f.trap(Rollback)
             out.write({"t": "rollback", "events": [e for e, _ in events]})
 
-        d = writers.run_write("test_insert", ["events"], insert_events_txn, me, events, txn_rng, rollback, args.delay_ms)
+        hold = args.out + ".hold" if n == args.hold_at else None
+        d = writers.run_write(
+            "test_insert", ["events"], insert_events_txn, me, events, txn_rng, rollback and hold is None,
+            args.delay_ms, hold,
+        )
         return d.addCallbacks(committed, failed)
 
     pending = []
@@ -148,6 +158,7 @@ def main() -> None:
     parser.add_argument("--delay-ms", type=float, default=2.0)
     parser.add_argument("--start-delay", type=float, default=0.0)
     parser.add_argument("--exit-when-done", action="store_true")
+    parser.add_argument("--hold-at", type=int, default=None)
     args = parser.parse_args()
     config = load_config(args.config)
     setup_logging(config)
