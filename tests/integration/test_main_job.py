@@ -22,7 +22,9 @@ class MainJobTest(TestCase):
         """scripts/demo (smaller traffic, free ports, this virtualenv) reports 0 lost, full federation, cache hits and a clean validator."""
         services.require_java()
         if not os.path.exists(os.path.join(sys.prefix, ".synflow-install-stamp")):
-            self.skipTest(f"the virtualenv {sys.prefix} was not made by scripts/_venv.sh (scripts/demo would reinstall into it)")
+            services.unavailable(
+                f"the virtualenv {sys.prefix} was not made by scripts/_venv.sh (scripts/demo would reinstall into it)"
+            )
         out = os.path.abspath(self.mktemp())
         # scripts/demo sets up (here: reuses) the virtualenv and runs scripts/demo.py in it.
         result = subprocess.run(
