@@ -18,8 +18,10 @@ request                                      response
 Every request but ``register`` needs ``Authorization: Bearer <access_token>``.
 Writes are routed to the room's event persister (this process, or one
 reached over internal RPC). ``token`` in a send's response is a sync token
-positioned just before the event: a sync with ``since=<token>`` on any process
-returns the event. Errors are ``{"errcode", "error"}`` with the right status.
+positioned just before the event: a sync with ``since=<token>`` and a
+``timeout`` on any process returns the event (with ``timeout=0`` a process that
+has not received it yet answers without it, and the next sync returns it).
+Errors are ``{"errcode", "error"}`` with the right status.
 """
 
 from __future__ import annotations
