@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import random
@@ -207,22 +208,23 @@ class FederationMixin:
     async def shared_rooms(self, n_rooms: int):
         alice = await Client(self.a.url, self.pool).register("alice")
         bob = await Client(self.b.url, self.pool).register("bob")
-        rooms = []
-        for _ in range(n_rooms):
-            room = await alice.create_room()
-            await alice.invite(room, bob.user_id)
-            for _ in range(100):
-                try:
-                    await bob.join(room)
-                    break
-                except ApiError as e:
-                    if e.code != 404:
-                        raise
-                    await sleep(0.1)
-            else:
-                self.fail(f"invite to {room} never reached b.test")
-            rooms.append(room)
+        rooms = [await self.shared_room(alice, bob) for _ in range(n_rooms)]
         return alice, bob, rooms
+
+    async def shared_room(self, alice: Client, bob: Client) -> str:
+        """A room alice (on a.test) creates and invites bob (on b.test) to, once bob has joined it."""
+        assert bob.user_id is not None
+        room = await alice.create_room()
+        await alice.invite(room, bob.user_id)
+        for _ in range(100):
+            try:
+                await bob.join(room)
+                return room
+            except ApiError as e:
+                if e.code != 404:
+                    raise
+                await sleep(0.1)
+        self.fail(f"invite to {room} never reached b.test")
 
     @inlineCallbacks
     def test_both_directions_exactly_once_in_order(self):
@@ -464,3 +466,104 @@ class SqliteFederationTest(FederationMixin, TestCase):
 
 class PostgresFederationTest(FederationMixin, TestCase):
     engine = "postgres"
+
+    @inlineCallbacks
+    def test_persisters_complete_out_of_order(self):
+        """One persister's event commits after the other's events with higher stream IDs; b.test still gets all.
+
+        The test holds a row lock on a.test's ``rooms`` row of room X (owned
+        by P1). A message sent into X gets its stream ID N from the sequence,
+        inserts its event and then waits on that lock, in its persister's
+        open transaction. Messages then sent into P2's rooms get IDs above N
+        and commit, and reach b.test, while N is still pending. Only then is
+        the lock released, so N completes last. The audit log of a.test's
+        persisters shows it did, and b.test ends up with every message
+        exactly once, each room's in a.test's order.
+        """
+        yield self.pair()
+        alice = yield ensureDeferred(Client(self.a.url, self.pool).register("alice"))
+        bob = yield ensureDeferred(Client(self.b.url, self.pool).register("bob"))
+        # Room X, owned by P1, and three rooms owned by the other persister, P2.
+        held_room = yield ensureDeferred(self.shared_room(alice, bob))
+        p1 = shard_for(held_room, list(WRITERS))
+        p2 = next(w for w in WRITERS if w != p1)
+        p2_rooms: list[str] = []
+        for _ in range(24):
+            if len(p2_rooms) == 3:
+                break
+            room = yield ensureDeferred(self.shared_room(alice, bob))
+            if shard_for(room, list(WRITERS)) == p2:
+                p2_rooms.append(room)
+        self.assertEqual(len(p2_rooms), 3, f"24 new rooms and fewer than 3 owned by {p2}")
+        rooms = [held_room, *p2_rooms]
+        a, b = self.a.cluster, self.b.cluster
+
+        def from_a(cluster: Cluster) -> list[tuple[str, str, str]]:
+            return [m for m in messages(cluster) if m[2] == "a.test"]
+
+        sent: list[str] = []
+        for i, room in enumerate(rooms):
+            result = yield ensureDeferred(alice.send(room, {"body": f"before {i}"}, f"b{i}"))
+            sent.append(result["event_id"])
+        yield wait_until(lambda: {e for _, e, _ in from_a(b)} >= set(sent), 60, "the first messages to reach b.test")
+
+        lock = services.pg_connect(a.dbname)
+        self.addCleanup(lock.close)
+        cur = lock.cursor()
+        cur.execute("BEGIN")
+        cur.execute("SELECT 1 FROM rooms WHERE room_id = %s FOR UPDATE", (held_room,))
+        self.assertEqual(cur.fetchall(), [(1,)])
+        held = ensureDeferred(alice.send(held_room, {"body": "held"}, "held"))
+
+        def p1_waiting() -> list[tuple]:
+            # P1's transaction, blocked by the test's lock: it has allocated its ID and inserted the event.
+            return a.query("SELECT query FROM pg_stat_activity WHERE datname = ? AND ? = ANY(pg_blocking_pids(pid))",
+                           (a.dbname, lock.get_backend_pid()))
+
+        blocked = yield wait_until(p1_waiting, 30, f"{p1}'s transaction to wait on the lock of {held_room}'s row")
+        self.assertIn("rooms", blocked[0][0], blocked)
+        later: list[str] = []
+        for i in range(24):
+            result = yield ensureDeferred(alice.send(p2_rooms[i % 3], {"body": f"during {i}"}, f"d{i}"))
+            later.append(result["event_id"])
+        self.assertFalse(held.called, f"the send into {held_room} finished while its row was locked")
+        # The destination already has P2's later events while P1's earlier one is still uncommitted.
+        yield wait_until(lambda: {e for _, e, _ in from_a(b)} >= set(later), 20,
+                         f"{p2}'s messages to reach b.test while {p1}'s is pending")
+        self.assertFalse(held.called)
+        cur.execute("ROLLBACK")
+        result = yield held
+        held_id = result["event_id"]
+        sent += [held_id, *later]
+
+        # The held event's stream ID is below all of P2's, and it completed after all of them.
+        orderings = dict(a.query("SELECT event_id, stream_ordering FROM events WHERE type = 'm.room.message'"))
+        self.assertLess(orderings[held_id], min(orderings[e] for e in later))
+        facts: dict[str, dict] = {}
+        for path in glob.glob(os.path.join(a.shared["audit"]["dir"], "writer_logs", "*", "*.jsonl")):
+            with open(path, encoding="utf-8") as f:
+                for line in f:
+                    record = json.loads(line)
+                    if record.get("stream") == "events" and record.get("event_id") and "kind" not in record:
+                        facts[record["event_id"]] = record
+        held_fact = facts[held_id]
+        self.assertEqual((held_fact["writer"], held_fact["stream_id"], held_fact["outcome"]),
+                         (p1, orderings[held_id], "ok"))
+        for event_id in later:
+            fact = facts[event_id]
+            self.assertEqual((fact["writer"], fact["outcome"]), (p2, "ok"), fact)
+            self.assertGreater(fact["stream_id"], held_fact["stream_id"], fact)
+            self.assertLess(fact["completed_at"], held_fact["completed_at"],
+                            f"{p2}'s {fact['stream_id']} did not complete before {p1}'s {held_fact['stream_id']}")
+
+        for i, room in enumerate(rooms):
+            result = yield ensureDeferred(alice.send(room, {"body": f"after {i}"}, f"a{i}"))
+            sent.append(result["event_id"])
+        yield wait_until(lambda: {e for _, e, _ in from_a(b)} >= set(sent), 60, "every message to reach b.test")
+        on_a, on_b = from_a(a), from_a(b)
+        self.assertEqual(sorted(e for _, e, _ in on_a), sorted(sent))
+        ids_b = [e for _, e, _ in on_b]
+        self.assertEqual(sorted(ids_b), sorted(sent), "b.test holds a message twice, or one a.test never sent")
+        for room in rooms:
+            self.assertEqual([e for r, e, _ in on_b if r == room], [e for r, e, _ in on_a if r == room],
+                             f"{room}: b.test's order differs from a.test's")
