@@ -194,14 +194,17 @@ class PrivateRedis:
         testcase: the trial test (for mktemp and cleanups).
         port: the port to listen on.
         args: further ``redis-server`` arguments (e.g. ``["--requirepass", "s3cret"]``).
+        tls: listen for TLS only, on ``port`` (``--port 0 --tls-port <port>``); ``args`` must
+            carry the ``--tls-cert-file``, ``--tls-key-file`` and ``--tls-ca-cert-file``.
     """
 
-    def __init__(self, testcase, port: int, args: tuple[str, ...] = ()) -> None:
+    def __init__(self, testcase, port: int, args: tuple[str, ...] = (), tls: bool = False) -> None:
         require_redis()
         if not shutil.which("redis-server"):
             unavailable("redis-server is not installed, so the test cannot run a Redis of its own")
         self.port = port
         self.args = args
+        self.tls = tls
         self.dir = os.path.abspath(testcase.mktemp())
         os.makedirs(self.dir)
         self.proc: subprocess.Popen | None = None
@@ -210,7 +213,8 @@ class PrivateRedis:
     def start(self) -> None:
         """Start the server (non-blocking; poll ``up()``)."""
         self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            ["redis-server", *(("--port", "0", "--tls-port") if self.tls else ("--port",)), str(self.port),
+             "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", self.dir, *self.args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )

@@ -39,6 +39,8 @@ from twisted.internet import defer, ssl
 from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import TCP4ClientEndpoint, UNIXClientEndpoint, wrapClientTLS
 from twisted.internet.interfaces import IDelayedCall, IStreamClientEndpoint
+from twisted.protocols.tls import TLSMemoryBIOProtocol
+from twisted.python.failure import Failure
 
 from synflow.config import RedisConfig, SynflowConfig
 from synflow.errors import ConfigError, SynflowError
@@ -102,12 +104,57 @@ def channel_name(config: SynflowConfig) -> str:
     return f"{prefix}:{config.server_name}" if prefix else config.server_name
 
 
-class _Subscriber(txredisapi.SubscriberProtocol):
+class _AfterTlsAccepted:
+    """Over TLS, begin the Redis conversation once the server has answered a PING.
+
+    Twisted hands a TLS connection to its protocol as soon as TCP is up.
+    Left alone, txredisapi would send AUTH and call the connection usable
+    before the handshake had succeeded: a server certificate our CA did not
+    sign (or, with TLS 1.3, a client certificate the server rejects after the
+    handshake) looked like a wrong password, failing start-up, or without a
+    password like a SUBSCRIBE lost for no reason, retried every second
+    because the connection had counted as usable. Here the only thing sent
+    first is a PING (held back by the TLS layer until the handshake is done);
+    any reply, even ``-NOAUTH``, shows the server accepted us. A connection
+    lost before that is logged as a TLS failure and retried with
+    txredisapi's growing backoff.
+    """
+
+    transport: Any
+    factory: Any
+    _tls_pending = False
+
+    def connectionMade(self) -> Any:
+        if not isinstance(self.transport, TLSMemoryBIOProtocol):
+            return self._start()
+        self._tls_pending = True
+        self.execute_command("PING").addBoth(self._tls_answered)  # type: ignore[attr-defined]
+        return None
+
+    def _tls_answered(self, result: Any) -> None:
+        if isinstance(result, Failure) and not result.check(txredisapi.ResponseError):
+            return None  # the connection is going down; connectionLost reports it
+        if self._tls_pending:
+            self._tls_pending = False
+            self._start()
+        return None
+
+    def connectionLost(self, why: Any) -> None:
+        if self._tls_pending:
+            self._tls_pending = False
+            self.factory.service._tls_failed(self.factory.role, why)
+        super().connectionLost(why)  # type: ignore[misc]
+
+    def _start(self) -> Any:
+        raise NotImplementedError
+
+
+class _Subscriber(_AfterTlsAccepted, txredisapi.SubscriberProtocol):
     """The subscribing connection: SUBSCRIBE on every (re)connect, then hand messages on."""
 
     @defer.inlineCallbacks
-    def connectionMade(self) -> Any:
-        yield super().connectionMade()  # AUTH and SELECT, if configured
+    def _start(self) -> Any:
+        yield txredisapi.SubscriberProtocol.connectionMade(self)  # AUTH and SELECT, if configured
         if not self.connected:
             return
         service: RedisTransportService = self.factory.service
@@ -127,12 +174,12 @@ class _Subscriber(txredisapi.SubscriberProtocol):
         self.factory.service._unsubscribed(self)
 
 
-class _Publisher(txredisapi.RedisProtocol):
+class _Publisher(_AfterTlsAccepted, txredisapi.RedisProtocol):
     """The publishing connection: tells the service when it is usable or gone."""
 
     @defer.inlineCallbacks
-    def connectionMade(self) -> Any:
-        yield super().connectionMade()
+    def _start(self) -> Any:
+        yield txredisapi.RedisProtocol.connectionMade(self)
         if self.connected:
             self.factory.service._publisher_up(self)
 
@@ -223,11 +270,13 @@ class RedisTransportService(Service):
         sub.protocol = _Subscriber
         sub.maxDelay = 5
         sub.service = self
+        sub.role = "subscribing"
         sub.deferred.addErrback(self._refused)
         self._sub_factory = sub
         pub = txredisapi.RedisFactory(None, dbid, 1, isLazy=True, password=password, replyTimeout=30)
         pub.protocol = _Publisher
         pub.service = self
+        pub.role = "publishing"
         pub.maxDelay = 5
         pub.deferred.addErrback(self._refused)
         self._pub_factory = pub
@@ -261,6 +310,14 @@ class RedisTransportService(Service):
             for d in self._ready_waiters:
                 d.errback(self._ready_error)
             self._ready_waiters = []
+
+    def _tls_failed(self, role: str, why: Any) -> None:
+        """A TLS connection was lost before Redis answered on it (it will be retried)."""
+        logger.warning(
+            "TLS with Redis at %s:%s failed on the %s connection before Redis answered: %s "
+            "(check replication.redis.tls and the certificates); retrying",
+            self.redis.host, self.redis.port, role, why.getErrorMessage(),
+        )
 
     # -- subscription events ---------------------------------------------------------------
 
