@@ -5,7 +5,8 @@ carrying the event id and the deliveries of it, each gathered with one shuffle. 
 event id is matched to the fact of its stream with that event id (the one with the lowest
 stream id if several). A reader's watermark ``WM(j, W)`` is the highest effective position for
 W among its valid tokens up to seq j: a running maximum over the token components.
-``duplicate_delivery`` reads each event's sorted delivery list. ``undelivered`` gives every
+``duplicate_delivery`` reads each event's sorted delivery list, and for its repeats a running
+count of each reader's chain breaks and the request's ``since``. ``undelivered`` gives every
 completed fact the covering readers that could be due it (small broadcast tables), keeps those
 missing from the event's delivery list, and finds, for them, the first covering token with the
 ordered as-of of :func:`spark.checks_tokens.first_covering` (whose rooms list decides whether
@@ -17,6 +18,7 @@ from __future__ import annotations
 from pyspark.sql import DataFrame, Window
 from pyspark.sql import functions as F
 
+from spark.checks_syntax import eff_of, parse_tokens, writer_id
 from spark.checks_tokens import first_covering, records
 from spark.common import INF, Context, Sql, finish, lit, sentence, small, ts, txt, when
 
@@ -89,27 +91,53 @@ def premature_delivery(ctx: Context, e: DataFrame) -> DataFrame:
         ": a write was read before it was durable."))
 
 
+def chain_breaks(ctx: Context) -> DataFrame:
+    """Every token row with ``since`` and ``breaks``: the reader's chain breaks up to and including it.
+
+    A row breaks the chain as in ``broken_chain``: its ``since`` is present and differs from the
+    reader's previous token (any validity) in the stream. One window over each reader's tokens.
+    """
+    w = Window.partitionBy("reader", "stream").orderBy("seq", "issued", "token")
+    broke = (F.col("since").isNotNull() & F.lag("seq").over(w).isNotNull()
+             & ~F.col("since").eqNullSafe(F.lag("token").over(w)))
+    return (ctx.tokens.select("reader", "stream", "seq", "token", "issued", "since", broke.alias("_b"))
+            .withColumn("breaks", F.sum(F.col("_b").cast("bigint")).over(
+                w.rowsBetween(Window.unboundedPreceding, Window.currentRow)))
+            .drop("_b"))
+
+
 def duplicate_delivery(ctx: Context, e: DataFrame) -> DataFrame:
-    """Second and later deliveries of one event id to one reader.
+    """Second and later deliveries of one event id to one reader, except retries.
 
     An event's deliveries, sorted by (reader, seq, position), repeat a reader exactly where an
-    element has the reader of the element before it; the first element with that reader is the
-    delivery it repeats.
+    element has the reader of the element before it, the delivery it repeats. A repeat is a
+    retry, not a violation, when the reader's chain broke after the delivery it repeats (up to
+    and including its own request: :func:`chain_breaks`) and its request's ``since`` is a valid
+    token that does not cover the event's fact: the client resumed from a token older than the
+    earlier delivery, so it never saw it.
     """
     ds = F.array_sort("d")
-    marked = F.transform(ds, lambda x, i: F.struct(
-        x.alias("x"), F.when(i > 0, F.element_at(ds, i)["reader"]).alias("prev_reader")))
-    repeats = F.filter(marked, lambda y: y["prev_reader"] == y["x"]["reader"])
-    tok = _tok(ctx)
+    marked = F.transform(ds, lambda x, i: F.struct(x.alias("x"), F.when(i > 0, F.element_at(ds, i)).alias("p")))
+    repeats = F.filter(marked, lambda y: y["p"]["reader"] == y["x"]["reader"])
+    chain = chain_breaks(ctx)
+    prev = small(chain.select("reader", "stream", F.col("seq").alias("prev_seq"), F.col("token").alias("prev_token"),
+                              F.col("breaks").alias("prev_breaks")), ctx.token_rows)
+    chain = small(chain, ctx.token_rows)
     df = (e.where(F.size("d") > 1)
           .select("stream", F.col("ev").alias("event_id"), F.try_element_at("fs", F.lit(1)).alias("f"),
-                  ds.alias("ds"), F.explode(repeats).alias("_r"))
+                  F.explode(repeats).alias("_r"))
           .select("stream", "event_id", "f", F.col("_r.x.reader").alias("reader"), F.col("_r.x.seq").alias("seq"),
-                  F.filter("ds", lambda z: z["reader"] == F.col("_r.x.reader"))[0]["seq"].alias("prev_seq"))
-          .join(tok, ["reader", "stream", "seq"])
-          .join(small(ctx.tokens.select("reader", "stream", F.col("seq").alias("prev_seq"),
-                                        F.col("token").alias("prev_token")), ctx.token_rows),
-                ["reader", "stream", "prev_seq"]))
+                  F.col("_r.p.seq").alias("prev_seq"))
+          .join(chain, ["reader", "stream", "seq"])
+          .join(prev, ["reader", "stream", "prev_seq"]))
+    # Parse the request's since (as `token`, for parse_tokens) and compare it with the fact.
+    since = parse_tokens(df.select("stream", "event_id", "f", "reader", "seq", "prev_seq", "prev_token",
+                                   "issued", F.col("token").alias("_token"), F.col("since").alias("token"),
+                                   (F.col("breaks") > F.col("prev_breaks")).alias("_broke")),
+                         ctx.instances)
+    retried = (F.col("_broke") & F.col("valid")
+               & (eff_of(writer_id(ctx.instances, F.col("f.writer"))) < F.col("f.sid")))
+    df = since.where(~F.coalesce(retried, F.lit(False))).withColumn("token", F.col("_token"))
     return _common(df, "duplicate_delivery", sentence(
         *_who(), " although it was already given it with token ", txt("prev_token"), " (seq ",
         txt("prev_seq"), "): the reader sees the fact twice."),

@@ -55,13 +55,18 @@ def eff_of(wid: Column) -> Column:
                        lambda acc, c: F.when((c["id"] == wid) & (c["pos"] > acc), c["pos"]).otherwise(acc))
 
 
-def components(valid: DataFrame, facts: DataFrame, instances: dict[int, str]) -> DataFrame:
-    """One row per (valid token, writer with facts in the token's stream) with its ``eff``."""
+def writer_id(instances: dict[int, str], writer: Column) -> Column:
+    """The instance id of the writer name ``writer`` (null when instance_map does not name it)."""
     ids = {n: i for i, n in instances.items()}
-    writers = facts.select("stream", "writer").distinct()
     id_map = F.create_map(*[x for n, i in sorted(ids.items()) for x in (F.lit(n), F.lit(i))]) \
         if ids else F.create_map().cast("map<string,int>")
-    writers = writers.withColumn("wid", F.try_element_at(id_map, F.col("writer")))
+    return F.try_element_at(id_map, writer)
+
+
+def components(valid: DataFrame, facts: DataFrame, instances: dict[int, str]) -> DataFrame:
+    """One row per (valid token, writer with facts in the token's stream) with its ``eff``."""
+    writers = facts.select("stream", "writer").distinct()
+    writers = writers.withColumn("wid", writer_id(instances, F.col("writer")))
     return (valid.join(F.broadcast(writers), "stream")
             .select("reader", "stream", "seq", "token", "issued", "writer", "wid",
                     eff_of(F.col("wid")).alias("eff")))

@@ -109,7 +109,7 @@ class _Injector:
         plan = [self.undelivered, self.malformed_grammar, self.malformed_duplicate,
                 self.malformed_unknown, self.noncanonical, self.broken_chain, self.gap_skip,
                 self.non_monotonic, self.phantom, self.aborted_delivery, self.premature,
-                self.duplicate_delivery, self.beyond]
+                self.duplicate_delivery, self.beyond, self.retry]
         readers = sorted(self.c.chains)
         slots = -(-len(plan) // len(readers))
         for k, inject in enumerate(plan):
@@ -233,6 +233,32 @@ class _Injector:
                             seq=chain[jj + 2]["seq"], event_id=ev)
                 return
         raise RuntimeError("nothing delivered to repeat")
+
+    def retry(self, reader: str, chain: list[dict], j: int) -> None:
+        """A client that lost a response retries from its older token: only the break is reported.
+
+        The response to request ``jj`` (token ``lost``) never reached the client, so request
+        ``jj + 1`` comes with ``since`` = the token before ``lost`` and is given ``lost``'s facts
+        again. That token does not cover them (each fact is delivered with the first token
+        covering it), so the re-deliveries are not ``duplicate_delivery``.
+        """
+        by_ev = {f["event_id"]: f for f in self.facts(STREAM, lambda f: f["event_id"] is not None)}
+        for jj in [*range(j, len(chain) - 2), *range(2, j)]:
+            old, lost, t = chain[jj - 1], chain[jj], chain[jj + 1]
+            if old["token"] == lost["token"] or any(
+                    x["token"] != encode(x["comps"]) or "since_override" in x for x in (old, lost, t)):
+                continue  # the since must be a valid token and the chain otherwise intact
+            again = [ev for ev in lost["delivered"] if ev in by_ev
+                     and self.eff(old, self.ids[by_ev[ev]["writer"]]) < by_ev[ev]["stream_id"]]
+            if not again:
+                continue
+            self.used.update((STREAM, by_ev[ev]["stream_id"]) for ev in again)
+            t["since_override"] = old["token"]
+            t["delivered"][:0] = again
+            self.record("broken_chain", primary=False, note="retry: the re-deliveries are no duplicates",
+                        stream=STREAM, reader=reader, seq=t["seq"])
+            return
+        raise RuntimeError("no delivered token to retry")
 
     def undelivered(self, reader: str, chain: list[dict], j: int) -> None:
         by_ev = {f["event_id"]: f for f in self.facts(STREAM, lambda f: f["event_id"] is not None)}

@@ -36,10 +36,13 @@ class Result:
     Attributes:
         violations: one dict per violation (``check`` plus the key columns and some context).
         pending: ``in_flight_facts`` and ``above_reader_watermark`` counts.
+        retried_redeliveries: re-deliveries that are not ``duplicate_delivery`` because the
+            client retried from an older ``since`` (see :func:`_retried`).
     """
 
     violations: list[Row] = field(default_factory=list)
     pending: dict[str, int] = field(default_factory=dict)
+    retried_redeliveries: int = 0
 
     def keys(self) -> set[tuple]:
         """The set of violation keys (see :func:`spark.checks.violation_key`)."""
@@ -85,6 +88,7 @@ def _tokens(token_rows: list[Row], known: dict[int, str]) -> dict[tuple, list[Ro
         t["issued"] = to_micros(r["issued_at"])
         t["delivered"] = r.get("delivered") or []
         t["parsed"], t["reason"] = parse(r.get("token"), known)
+        t["since_parsed"], _ = parse(r.get("since"), known)
         chains[(r["stream"], r["reader"])].append(t)
     for chain in chains.values():
         if has_seq:
@@ -140,7 +144,8 @@ def check(
         sfacts = by_stream.get(stream, [])
         valid = [t for t in chain if t["parsed"] is not None]
         _token_checks(stream, reader, chain, valid, sfacts, id_of, first_id, clock_skew_us, out)
-        _delivery_checks(stream, reader, chain, valid, sfacts, id_of, clock_skew_us, out)
+        res.retried_redeliveries += _delivery_checks(stream, reader, chain, valid, sfacts, id_of,
+                                                     clock_skew_us, out)
         pending_above += _undelivered(stream, reader, chain, valid, sfacts, id_of, out)
     res.pending = {
         "in_flight_facts": sum(1 for f in facts if f["rel"] is None),
@@ -151,18 +156,15 @@ def check(
 
 def _syntax_checks(chains: dict[tuple, list[Row]], out: list[Row]) -> None:
     for (stream, reader), chain in chains.items():
-        prev = None
-        for t in chain:
+        for i, t in enumerate(chain):
             common = {"stream": stream, "reader": reader, "seq": t["seq"], "token": t.get("token")}
             p: ParsedToken | None = t["parsed"]
             if p is None:
                 _emit(out, "malformed_token", reason=t["reason"], **common)
             elif any(pos <= p.min for _, pos in p.components):
                 _emit(out, "noncanonical_component", **common)
-            since = t.get("since")
-            if prev is not None and since is not None and since != prev.get("token"):
-                _emit(out, "broken_chain", prev_seq=prev["seq"], **common)
-            prev = t
+            if _breaks(chain, i):
+                _emit(out, "broken_chain", prev_seq=chain[i - 1]["seq"], **common)
 
 
 def _writer_checks(facts: list[Row], out: list[Row], unresolved_before: int) -> None:
@@ -241,18 +243,42 @@ def _fstar(sfacts: list[Row], ev: str) -> Row | None:
                                      MAX_LONG if f["rel"] is None else f["rel"], f["aborted"]))
 
 
+def _retried(chain: list[Row], k: int, j: int, f: Row | None, id_of: dict[str, int]) -> bool:
+    """Whether re-delivering fact ``f`` at chain index ``j``, last delivered at ``k``, is a retry.
+
+    It is when some request after ``k`` up to ``j`` broke the chain and the ``since`` of the
+    request at ``j`` is a valid token that does not cover ``f``: the client resumed from a token
+    older than the delivery, so it never saw it.
+    """
+    if f is None or not any(_breaks(chain, i) for i in range(k + 1, j + 1)):
+        return False
+    since: ParsedToken | None = chain[j]["since_parsed"]
+    return since is not None and since.eff(id_of.get(f["writer"])) < f["sid"]
+
+
+def _breaks(chain: list[Row], i: int) -> bool:
+    """Whether the request at chain index ``i`` broke the chain (``broken_chain``)."""
+    since = chain[i].get("since")
+    return i > 0 and since is not None and since != chain[i - 1].get("token")
+
+
 def _delivery_checks(stream: str, reader: str, chain: list[Row], valid: list[Row], sfacts: list[Row],
-                     id_of: dict[str, int], skew: int, out: list[Row]) -> None:
-    seen: set[str] = set()
-    for t in chain:
+                     id_of: dict[str, int], skew: int, out: list[Row]) -> int:
+    """The delivery checks but ``undelivered``; returns how many re-deliveries were retries."""
+    retries = 0
+    last: dict[str, int] = {}  # event id -> chain index of its latest delivery
+    for j, t in enumerate(chain):
         for ev in t["delivered"]:
             if ev is None:
                 continue
             common = {"stream": stream, "reader": reader, "seq": t["seq"], "event_id": ev}
-            if ev in seen:
-                _emit(out, "duplicate_delivery", **common)
-            seen.add(ev)
             f = _fstar(sfacts, ev)
+            if ev in last:
+                if _retried(chain, last[ev], j, f, id_of):
+                    retries += 1
+                else:
+                    _emit(out, "duplicate_delivery", prev_seq=chain[last[ev]]["seq"], **common)
+            last[ev] = j
             if f is None:
                 _emit(out, "phantom_delivery", **common)
                 continue
@@ -265,6 +291,7 @@ def _delivery_checks(stream: str, reader: str, chain: list[Row], valid: list[Row
                 wm = max(k["parsed"].eff(wid) for k in valid if k["seq"] <= t["seq"])
                 if f["sid"] > wm:
                     _emit(out, "delivered_beyond_token", **common)
+    return retries
 
 
 def _undelivered(stream: str, reader: str, chain: list[Row], valid: list[Row], sfacts: list[Row],

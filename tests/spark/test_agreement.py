@@ -60,15 +60,15 @@ def token_text(draw):
 @st.composite
 def chain(draw):
     """One reader's token rows (seq 1..n, issue times not necessarily increasing)."""
-    rows, prev = [], None
+    rows, prev, older = [], None, None
     for seq in range(1, draw(st.integers(1, 5)) + 1):
         text = draw(token_text())
         at = draw(st.integers(0, 36))
         rows.append({"seq": seq, "token": text, "issued_at": iso(T + at * UNIT) if at % 2 else T + at * UNIT,
                      "delivered": draw(st.lists(st.sampled_from(["$zz", *EVENTS]), max_size=3)),
                      "rooms": draw(st.one_of(st.none(), st.lists(st.sampled_from(["!r1", "!r2"]), max_size=2))),
-                     "since": draw(st.sampled_from([prev, prev, None, "s0"]))})
-        prev = text
+                     "since": draw(st.sampled_from([prev, prev, None, "s0", older]))})
+        prev, older = text, prev  # a retry comes with an older since
     return rows
 
 
@@ -120,6 +120,51 @@ class AgreementTests(TestCase):
         self.assertEqual(summary(out)["pending"], expected.pending)
         # The histories exercise every check: each one is expected somewhere.
         self.assertEqual(set(CHECK_NAMES) - {k[0] for k in expected.keys()}, set())
+        # ... and both sides of the retry rule: re-deliveries after a chain break that are
+        # retries (the since does not cover the fact) and that are still duplicates.
+        self.assertGreater(expected.retried_redeliveries, 0)
+        breaks = {(v["stream"], v["reader"], v["seq"]) for v in expected.violations if v["check"] == "broken_chain"}
+        self.assertTrue([v for v in expected.violations if v["check"] == "duplicate_delivery" and any(
+            (v["stream"], v["reader"], s) in breaks for s in range(v["prev_seq"] + 1, v["seq"] + 1))])
+
+    def test_retry_from_an_older_since(self):
+        """A re-delivery after a retry whose since does not cover the fact is no duplicate; other repeats are.
+
+        Each case is its own stream: $a (stream id 2) then $b (3) are delivered with s2 and s3 at
+        seq 1 and 2; what follows differs.
+        """
+        spark()
+        cases = {
+            # The master was killed after issuing s3 with $b: the client retries with since=s2.
+            "retry": [("s2", ["$b"])],
+            # The retried request's since covers the re-delivered fact.
+            "covered": [("s2", ["$a"])],
+            # A re-delivery without a chain break.
+            "unbroken": [("s3", ["$b"])],
+            # A retry (fine), then a third delivery repeating the retry's without a new break.
+            "third": [("s2", ["$b"]), ("s3", ["$b"])],
+        }
+        writers, tokens = [], []
+        for stream, rest in cases.items():
+            writers += [{"stream": stream, "writer": "w1", "stream_id": sid, "room_id": "!r", "event_id": ev,
+                         "reserved_at": T + sid, "completed_at": T + sid + 1, "outcome": "ok"}
+                        for sid, ev in ((2, "$a"), (3, "$b"))]
+            rows = [("s2", None, ["$a"]), ("s3", "s2", ["$b"])] + [("s3", since, d) for since, d in rest]
+            tokens += [{"reader": "r", "stream": stream, "seq": seq, "token": text, "issued_at": T + UNIT + seq,
+                        "delivered": d, "since": since} for seq, (text, since, d) in enumerate(rows, 1)]
+        logs, out = self._write_logs(writers, tokens), self.mktemp()
+        self.assertEqual(validate(logs, out, "--fail-on", "never"), 0, summary(out).get("error"))
+        got = sorted((r["check"], r["stream"], r["seq"], r["event_id"], r["prev_seq"]) for r in violations(out))
+        self.assertEqual(got, [
+            ("broken_chain", "covered", 3, None, 2),
+            ("broken_chain", "retry", 3, None, 2),
+            ("broken_chain", "third", 3, None, 2),
+            ("duplicate_delivery", "covered", 3, "$a", 1),
+            ("duplicate_delivery", "third", 4, "$b", 3),
+            ("duplicate_delivery", "unbroken", 3, "$b", 2),
+        ])
+        expected = reference.check(writers, tokens, INSTANCES)
+        self.assertEqual({violation_key(r["check"], r) for r in violations(out)}, set(expected.keys()))
 
     def test_duplicate_delivery_does_not_hide_an_undelivered_fact(self):
         """One fact delivered twice and its neighbour never: both the duplicate and the loss are reported."""

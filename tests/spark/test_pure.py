@@ -21,10 +21,24 @@ def fact(sid, writer="w1", room=None, ev=None, res=0, rel=1, outcome="ok", strea
             "completed_at": None if rel is None else T + rel * 10**6, "outcome": outcome}
 
 
-def token(seq, text, at, delivered=(), reader="r", rooms=None):
+def token(seq, text, at, delivered=(), reader="r", rooms=None, since=None):
     """A token_logs row issued ``at`` seconds after T."""
     return {"reader": reader, "stream": "events", "seq": seq, "token": text,
-            "issued_at": T + at * 10**6, "delivered": list(delivered), "rooms": rooms}
+            "issued_at": T + at * 10**6, "delivered": list(delivered), "rooms": rooms, "since": since}
+
+
+def retry_history(third, fourth=None):
+    """$e2 then $e3 delivered in order (seq 1, 2), then request 3 (and 4) as given.
+
+    ``third``/``fourth`` are ``(since, delivered)``; the tokens are s3 from seq 2 on.
+    """
+    writers = [fact(2, res=0, rel=1), fact(3, res=1, rel=2)]
+    tokens = [token(1, "s2", 3, ["$e2"]), token(2, "s3", 4, ["$e3"], since="s2"),
+              token(3, "s3", 5, third[1], since=third[0])]
+    if fourth is not None:
+        tokens.append(token(4, "s3", 6, fourth[1], since=fourth[0]))
+    return [(v["check"], v["seq"], v.get("event_id"))
+            for v in reference.check(writers, tokens, INSTANCES).violations]
 
 
 INSTANCES = [{"instance_id": i, "instance_name": n} for i, n in KNOWN.items()]
@@ -112,6 +126,61 @@ class ReferenceCheckerTests(SynchronousTestCase):
         self.assertEqual(checks(writers, [token(1, "m3~1.4", 2, ["$e2", "$e3"])]), {"future_position"})
 
 
+class RetryTests(SynchronousTestCase):
+    """A re-delivery after a retry from a `since` older than the earlier delivery is no duplicate."""
+
+    def test_retry_from_an_older_since_is_not_a_duplicate(self):
+        """The response of seq 2 was lost: seq 3 asks with since=s2, which does not cover $e3, and gets it again."""
+        self.assertEqual(retry_history(("s2", ["$e3"])), [("broken_chain", 3, None)])
+
+    def test_since_covering_the_fact_is_a_duplicate(self):
+        """A broken chain whose since already covers the re-delivered fact does not excuse it."""
+        self.assertEqual(sorted(retry_history(("s2", ["$e2"]))),
+                         [("broken_chain", 3, None), ("duplicate_delivery", 3, "$e2")])
+        # An equivalent spelling of the covering token is still a break, and still covers $e3.
+        self.assertEqual(sorted(retry_history(("m2~1.3", ["$e3"]))),
+                         [("broken_chain", 3, None), ("duplicate_delivery", 3, "$e3")])
+
+    def test_redelivery_without_a_break_is_a_duplicate(self):
+        """Without a chain break, a re-delivery is a duplicate."""
+        self.assertEqual(retry_history(("s3", ["$e3"])), [("duplicate_delivery", 3, "$e3")])
+        self.assertEqual(retry_history((None, ["$e3"])), [("duplicate_delivery", 3, "$e3")])
+
+    def test_since_that_is_no_valid_token_is_no_evidence(self):
+        """A break earlier than the re-delivery, whose own since is null or malformed, leaves a duplicate."""
+        self.assertEqual(sorted(retry_history(("s2", []), (None, ["$e3"]))),
+                         [("broken_chain", 3, None), ("duplicate_delivery", 4, "$e3")])
+        self.assertEqual(sorted(retry_history(("s2", []), ("m2~9.1", ["$e3"]))),
+                         [("broken_chain", 3, None), ("broken_chain", 4, None),
+                          ("duplicate_delivery", 4, "$e3")])
+
+    def test_break_before_the_request_counts(self):
+        """The break may come at an earlier request after the delivery; the since of the re-delivering one decides."""
+        writers = [fact(2, res=0, rel=1), fact(3, res=1, rel=2)]
+        # seq 3 breaks the chain and is (wrongly) turned back to s2; seq 4 resumes from it.
+        tokens = [token(1, "s2", 3, ["$e2"]), token(2, "s3", 4, ["$e3"], since="s2"),
+                  token(3, "s2", 5, [], since="s2"), token(4, "s3", 6, ["$e3"], since="s2")]
+        self.assertEqual(sorted((v["check"], v["seq"]) for v in
+                                reference.check(writers, tokens, INSTANCES).violations),
+                         [("broken_chain", 3), ("non_monotonic", 3)])
+        tokens[3]["since"] = "s3"  # covers $e3: with a break in between, still a duplicate
+        self.assertEqual(sorted((v["check"], v["seq"]) for v in
+                                reference.check(writers, tokens, INSTANCES).violations),
+                         [("broken_chain", 3), ("broken_chain", 4), ("duplicate_delivery", 4),
+                          ("non_monotonic", 3)])
+
+    def test_each_repeat_is_judged_against_the_one_before(self):
+        """A retry's re-delivery is fine; a third delivery without a new break repeats the second."""
+        writers = [fact(2, res=0, rel=1), fact(3, res=1, rel=2)]
+        tokens = [token(1, "s2", 3, ["$e2"]), token(2, "s3", 4, ["$e3"], since="s2"),
+                  token(3, "s3", 5, ["$e3"], since="s2"), token(4, "s3", 6, ["$e3"], since="s3"),
+                  token(5, "s3", 7, ["$e3"], since="s2")]
+        got = reference.check(writers, tokens, INSTANCES)
+        self.assertEqual(sorted((v["check"], v["seq"], v.get("prev_seq")) for v in got.violations),
+                         [("broken_chain", 3, 2), ("broken_chain", 5, 4), ("duplicate_delivery", 4, 3)])
+        self.assertEqual(got.retried_redeliveries, 2)
+
+
 class GeneratorTests(SynchronousTestCase):
     """The generator's clean logs are clean and each injection is exactly what it records."""
 
@@ -128,3 +197,14 @@ class GeneratorTests(SynchronousTestCase):
             got = reference.check(c.writer_rows(), c.token_rows(), c.instances).keys()
             self.assertEqual(got, expected_keys(c.injected))
             self.assertEqual({i["check"] for i in c.injected if i["primary"]}, set(CHECK_NAMES))
+
+    def test_retry_injection(self):
+        """The injected retry re-delivers facts after a chain break; only the break is reported."""
+        c = generate(Config(facts=1000, readers=4, tokens_per_reader=50, seed=3))
+        retry = [i["key"] for i in c.injected if i["note"].startswith("retry")]
+        self.assertEqual(len(retry), 1)
+        rows = [r for r in c.token_rows() if r["reader"] == retry[0]["reader"]]
+        j = next(i for i, r in enumerate(rows) if r["seq"] == retry[0]["seq"])
+        self.assertEqual(rows[j]["since"], rows[j - 2]["token"])
+        self.assertTrue(set(rows[j - 1]["delivered"]) & set(rows[j]["delivered"]))
+        self.assertGreater(reference.check(c.writer_rows(), c.token_rows(), c.instances).retried_redeliveries, 0)
