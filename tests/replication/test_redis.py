@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 
 import txredisapi
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from OpenSSL import crypto
 from prometheus_client import REGISTRY
 from twisted.internet import reactor, ssl
@@ -36,6 +31,7 @@ from synflow.replication.redis import RedisTransportService, redis_endpoint
 from synflow.storage.id_generators import FactPayload, MultiWriterIdGenerator
 from synflow.streams import EVENTS, STREAMS, EventsRow
 from synflow.testing import FakeRedisServer, RecordingReceiver
+from tests.certs import certificate
 from tests.cluster import sleep, wait_until
 from tests.replication.test_handler import ListSource
 
@@ -394,28 +390,6 @@ class RedisOneLinePerMessageTest(RedisTransportOverFakeTest):
     one_line = True
 
 
-def _certificate(common_name: str, issuer: tuple | None = None) -> tuple[bytes, bytes, tuple]:
-    """A PEM certificate and key for ``common_name``, signed by ``issuer`` (or self-signed)."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-    issuer_name, issuer_key = issuer if issuer is not None else (name, key)
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(issuer_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(days=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=issuer is None, path_length=None), critical=True)
-        .sign(issuer_key, hashes.SHA256())
-    )
-    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                serialization.NoEncryption())
-    return cert.public_bytes(serialization.Encoding.PEM), key_pem, (name, key)
-
-
 class RedisEndpointTest(SynchronousTestCase):
     def _connect(self, cfg: RedisConfig) -> tuple[object, MemoryReactor, Factory]:
         reactor = MemoryReactor()
@@ -451,8 +425,8 @@ class RedisEndpointTest(SynchronousTestCase):
     def _tls(self, combined: bool) -> None:
         base = self.mktemp()
         os.makedirs(base)
-        ca_pem, _, ca = _certificate("test CA")
-        cert_pem, key_pem, _ = _certificate("synflow-client", issuer=ca)
+        ca_pem, _, ca = certificate("test CA")
+        cert_pem, key_pem, _ = certificate("synflow-client", issuer=ca)
         paths = {}
         for name, data in (("ca", ca_pem), ("cert", cert_pem + key_pem if combined else cert_pem), ("key", key_pem)):
             paths[name] = os.path.join(base, f"{name}.pem")
@@ -494,7 +468,7 @@ class RedisEndpointTest(SynchronousTestCase):
         """TLS with only a CA verifies the server and presents no client certificate."""
         base = self.mktemp()
         os.makedirs(base)
-        ca_pem, _, _ = _certificate("test CA")
+        ca_pem, _, _ = certificate("test CA")
         path = os.path.join(base, "ca.pem")
         with open(path, "wb") as f:
             f.write(ca_pem)
