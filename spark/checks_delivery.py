@@ -18,7 +18,7 @@ from __future__ import annotations
 from pyspark.sql import DataFrame, Window
 from pyspark.sql import functions as F
 
-from spark.checks_syntax import eff_of, parse_tokens, writer_id
+from spark.checks_syntax import chain_order, eff_of, parse_tokens, with_chain_breaks, writer_id
 from spark.checks_tokens import first_covering, records
 from spark.common import INF, Context, Sql, finish, lit, sentence, small, ts, txt, when
 
@@ -94,16 +94,12 @@ def premature_delivery(ctx: Context, e: DataFrame) -> DataFrame:
 def chain_breaks(ctx: Context) -> DataFrame:
     """Every token row with ``since`` and ``breaks``: the reader's chain breaks up to and including it.
 
-    A row breaks the chain as in ``broken_chain``: its ``since`` is present and differs from the
-    reader's previous token (any validity) in the stream. One window over each reader's tokens.
+    A row breaks the chain as in ``broken_chain`` (:func:`spark.checks_syntax.with_chain_breaks`).
     """
-    w = Window.partitionBy("reader", "stream").orderBy("seq", "issued", "token")
-    broke = (F.col("since").isNotNull() & F.lag("seq").over(w).isNotNull()
-             & ~F.col("since").eqNullSafe(F.lag("token").over(w)))
-    return (ctx.tokens.select("reader", "stream", "seq", "token", "issued", "since", broke.alias("_b"))
-            .withColumn("breaks", F.sum(F.col("_b").cast("bigint")).over(
-                w.rowsBetween(Window.unboundedPreceding, Window.currentRow)))
-            .drop("_b"))
+    return (with_chain_breaks(ctx.tokens.select("reader", "stream", "seq", "token", "issued", "since"))
+            .withColumn("breaks", F.sum(F.col("breaks_chain").cast("bigint")).over(
+                chain_order().rowsBetween(Window.unboundedPreceding, Window.currentRow)))
+            .drop("prev_seq", "prev_token", "breaks_chain"))
 
 
 def duplicate_delivery(ctx: Context, e: DataFrame) -> DataFrame:

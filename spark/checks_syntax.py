@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
+from pyspark.sql.window import WindowSpec
 
 from spark.common import Context, Sql, finish, sentence, ts, txt, writer_name
 
@@ -95,13 +96,26 @@ def noncanonical_component(ctx: Context) -> DataFrame:
                       txt("min"), ": harmless (the minimum wins) but no correct writer encodes it."))
 
 
+def chain_order() -> WindowSpec:
+    """Each reader's tokens in a stream, in request order (needs an active session: a function)."""
+    return Window.partitionBy("reader", "stream").orderBy("seq", "issued", "token")
+
+
+def with_chain_breaks(tokens: DataFrame) -> DataFrame:
+    """Add ``prev_seq``, ``prev_token`` and ``breaks_chain`` to token rows.
+
+    A request breaks the chain when its ``since`` is present and is not the token the reader was
+    given just before (any validity) in the stream. One window over each reader's tokens.
+    """
+    w = chain_order()
+    df = tokens.withColumn("prev_seq", F.lag("seq").over(w)).withColumn("prev_token", F.lag("token").over(w))
+    return df.withColumn("breaks_chain", F.col("since").isNotNull() & F.col("prev_seq").isNotNull()
+                         & ~F.col("since").eqNullSafe(F.col("prev_token")))
+
+
 def broken_chain(ctx: Context) -> DataFrame:
     """Requests whose ``since`` is not the token the reader was given just before."""
-    w = Window.partitionBy("reader", "stream").orderBy("seq", "issued", "token")
-    df = ctx.tokens.withColumn("prev_seq", F.lag("seq").over(w)).withColumn(
-        "prev_token", F.lag("token").over(w))
-    df = df.where(F.col("since").isNotNull() & F.col("prev_seq").isNotNull()
-                  & ~F.col("since").eqNullSafe(F.col("prev_token")))
+    df = with_chain_breaks(ctx.tokens).where("breaks_chain")
     return finish(df, "broken_chain", stream="stream", reader="reader", seq="seq", token="token",
                   prev_seq="prev_seq", prev_token="prev_token", issued_at="issued",
                   explanation=sentence(
