@@ -20,7 +20,7 @@ from twisted.web.server import NOT_DONE_YET, Site
 from synflow.sharding import shard_for
 from synflow.tools.client import ApiError, Client, new_pool
 from tests import services
-from tests.cluster import Cluster, free_port, sleep, wait_until
+from tests.cluster import Cluster, free_port, read_jsonl, sleep, wait_until
 from tests.spark._session import validate, violations
 
 WRITERS = ("persister1", "persister2")
@@ -541,11 +541,9 @@ class PostgresFederationTest(FederationMixin, TestCase):
         self.assertLess(orderings[held_id], min(orderings[e] for e in later))
         facts: dict[str, dict] = {}
         for path in glob.glob(os.path.join(a.shared["audit"]["dir"], "writer_logs", "*", "*.jsonl")):
-            with open(path, encoding="utf-8") as f:
-                for line in f:
-                    record = json.loads(line)
-                    if record.get("stream") == "events" and record.get("event_id") and "kind" not in record:
-                        facts[record["event_id"]] = record
+            for record in read_jsonl(path):
+                if record.get("stream") == "events" and record.get("event_id") and "kind" not in record:
+                    facts[record["event_id"]] = record
         held_fact = facts[held_id]
         self.assertEqual((held_fact["writer"], held_fact["stream_id"], held_fact["outcome"]),
                          (p1, orderings[held_id], "ok"))
