@@ -68,8 +68,9 @@ def insert_events_txn(ctx, instance, events, rng, rollback, delay_ms, hold_path=
         ctx.add_rows("events", stream_id, [EventsRow(event_id, room_id, "m.test", None, "@load:test", None)],
                      room_id=room_id, event_id=event_id)
     if hold_path is not None:
-        with open(hold_path, "w", encoding="utf-8") as f:
+        with open(hold_path + ".tmp", "w", encoding="utf-8") as f:
             json.dump({"sids": ids, "event_ids": [e for e, _ in events]}, f)
+        os.replace(hold_path + ".tmp", hold_path)  # the test sees the whole file or none
         time.sleep(3600)
     if delay_ms:
         time.sleep(rng.uniform(0, delay_ms) / 1000)
