@@ -20,7 +20,20 @@ from pyspark.sql import functions as F
 
 from spark.checks_syntax import chain_order, eff_of, parse_tokens, with_chain_breaks, writer_id
 from spark.checks_tokens import first_covering, records
-from spark.common import INF, Context, Sql, finish, lit, sentence, small, ts, txt, when
+from spark.common import (
+    INF,
+    Context,
+    Sql,
+    finish,
+    lit,
+    materialise,
+    sentence,
+    small,
+    sql_conf,
+    ts,
+    txt,
+    when,
+)
 
 
 def by_event(ctx: Context) -> DataFrame:
@@ -28,16 +41,33 @@ def by_event(ctx: Context) -> DataFrame:
 
     Columns: ``stream, ev``; ``fs``: the facts with that event id sorted by stream id (null:
     none), ``struct(sid, writer, res, rel_inf, aborted, rel, room)``; ``d``: its deliveries
-    (null: none), ``struct(reader, seq, pos)``. Both sides are grouped by the same key, so the
-    full outer join adds no shuffle.
+    (null: none), ``struct(reader, seq, pos)``.
+
+    The facts and the deliveries are unioned, each row carrying its own struct and a null for
+    the other side, and grouped once (``collect_list`` skips the nulls): one shuffle and one
+    aggregation of both, and no join (:func:`events_table` materialises it).
     """
     rel_inf = F.coalesce("rel", F.lit(INF))
-    fs = (ctx.facts.where(F.col("ev").isNotNull()).groupBy("stream", "ev")
-          .agg(F.array_sort(F.collect_list(F.struct("sid", "writer", "res", rel_inf.alias("rel_inf"),
-                                                     "aborted", "rel", "room"))).alias("fs")))
-    d = (ctx.deliveries.select("stream", F.col("event_id").alias("ev"), "reader", "seq", "pos")
-         .groupBy("stream", "ev").agg(F.collect_list(F.struct("reader", "seq", "pos")).alias("d")))
-    return fs.join(d, ["stream", "ev"], "full")
+    f = F.struct("sid", "writer", "res", rel_inf.alias("rel_inf"), "aborted", "rel", "room")
+    d = F.struct("reader", "seq", "pos")
+    facts = ctx.facts.where(F.col("ev").isNotNull()).select("stream", "ev", f.alias("_f"))
+    dels = ctx.deliveries.select("stream", F.col("event_id").alias("ev"), d.alias("_d"))
+    rows = (facts.withColumn("_d", F.lit(None).cast(dels.schema["_d"].dataType))
+            .unionByName(dels.withColumn("_f", F.lit(None).cast(facts.schema["_f"].dataType))))
+    grouped = rows.groupBy("stream", "ev").agg(F.collect_list("_f").alias("fs"), F.collect_list("_d").alias("d"))
+    return grouped.select("stream", "ev", F.when(F.size("fs") > 0, F.array_sort("fs")).alias("fs"),
+                          F.when(F.size("d") > 0, F.col("d")).alias("d"))
+
+
+#: The per-event grouping's keys are nearly all distinct (a delivered event is one fact and a few
+#: deliveries), so a pre-shuffle partial aggregation only copies the rows: it is skipped.
+NO_PARTIAL_AGGREGATION = {"spark.sql.execution.bypassPartialAggregation": "true"}
+
+
+def events_table(ctx: Context) -> DataFrame:
+    """The materialised :func:`by_event` table, planned without partial aggregation."""
+    with sql_conf(ctx.spark, NO_PARTIAL_AGGREGATION):
+        return by_event(ctx).transform(materialise)
 
 
 def _tok(ctx: Context) -> DataFrame:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from pyspark import StorageLevel
@@ -36,6 +38,26 @@ def materialise(df: DataFrame) -> DataFrame:
     facts and deliveries fill the driver's heap and leave the job to the garbage collector.
     """
     return df.localCheckpoint(eager=True, storageLevel=StorageLevel.MEMORY_AND_DISK)
+
+
+@contextmanager
+def sql_conf(spark: SparkSession, settings: dict[str, str]) -> Iterator[None]:
+    """Apply runtime SQL ``settings`` to ``spark`` for the ``with`` block, then restore them.
+
+    Settings are read when a query is planned, so a query run (e.g. materialised) inside the
+    block is planned with them.
+    """
+    before = {k: spark.conf.get(k, None) for k in settings}
+    for k, v in settings.items():
+        spark.conf.set(k, v)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                spark.conf.unset(k)
+            else:
+                spark.conf.set(k, v)
 
 
 @dataclass

@@ -145,14 +145,14 @@ def stages(ctx: Context, wanted: set[str]) -> Iterator[tuple[str, dict[str, Data
     for stage, table in (("syntax", checks_syntax.CHECKS), ("writer", checks_writer.CHECKS),
                          ("tokens", checks_tokens.CHECKS)):
         if needs_events and ctx.events is None and wanted & {"duplicate_event_id"} & set(table):
-            ctx.events = checks_delivery.by_event(ctx).transform(materialise)
+            ctx.events = checks_delivery.events_table(ctx)
         dfs = {n: fn(ctx) for n, fn in table.items() if n in wanted}
         if dfs:
             yield stage, dfs, None
     if not wanted & {*checks_delivery.CHECKS, "undelivered"}:
         return
     if ctx.events is None:
-        ctx.events = checks_delivery.by_event(ctx).transform(materialise)
+        ctx.events = checks_delivery.events_table(ctx)
     e = ctx.events
     if wanted & set(checks_delivery.CHECKS):
         yield "delivery", {n: fn(ctx, e) for n, fn in checks_delivery.CHECKS.items() if n in wanted}, None
