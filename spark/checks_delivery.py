@@ -83,7 +83,7 @@ def matched(ctx: Context, e: DataFrame) -> DataFrame:
             .join(_tok(ctx), ["reader", "stream", "seq"]))
 
 
-def _common(df: DataFrame, check: str, explanation: Sql, **extra: str) -> DataFrame:
+def _common(df: DataFrame, check: str | tuple[str, ...], explanation: Sql, **extra: str) -> DataFrame:
     return finish(df, check, stream="stream", reader="reader", seq="seq", token="token",
                   issued_at="issued", event_id="event_id", writer="f.writer", stream_id="f.sid",
                   room_id="f.room", reserved_at="f.res", completed_at="f.rel",
@@ -95,30 +95,65 @@ def _who() -> list[str]:
             " (seq ", txt("seq"), ", issued ", ts("issued"), ")"]
 
 
+def _per_delivery(ctx: Context) -> dict[str, tuple[F.Column, Sql]]:
+    """The checks read off one matched delivery (with ``wm``): each one's condition and explanation."""
+    late = when("f.rel IS NULL", lit("had not completed by the end of the log"),
+                sentence("completed only at ", ts("f.rel")))
+    premature = F.col("f.rel").isNull() | (F.col("f.rel") - F.lit(ctx.skew_us) > F.col("issued"))
+    return {
+        "phantom_delivery": (F.col("f").isNull(), sentence(
+            *_who(), " but no writer of ", txt("stream"), " logged that event: it was invented.")),
+        "aborted_delivery": (F.col("f.aborted"), sentence(
+            *_who(), " but ", txt("f.writer"), " aborted that fact (stream id ", txt("f.sid"),
+            "): an aborted write was read.")),
+        "premature_delivery": (F.col("f").isNotNull() & premature, sentence(
+            *_who(), " but that fact (stream id ", txt("f.sid"), ", ", txt("f.writer"), ") ", late,
+            ": a write was read before it was durable.")),
+        "delivered_beyond_token": (F.col("valid") & F.col("f").isNotNull() & (F.col("f.sid") > F.col("wm")),
+                                   sentence(*_who(), " but that fact is stream id ", txt("f.sid"), " of ",
+                                            txt("f.writer"), " and the reader's position for ",
+                                            txt("f.writer"), " is only ", txt("wm"),
+                                            ": resuming from this token would deliver it again.")),
+    }
+
+
+#: The checks :func:`per_delivery` computes in one pass over the matched deliveries.
+PER_DELIVERY = ("phantom_delivery", "aborted_delivery", "premature_delivery", "delivered_beyond_token")
+
+
+def per_delivery(ctx: Context, e: DataFrame, names: list[str] | tuple[str, ...]) -> DataFrame:
+    """The violations of the wanted :data:`PER_DELIVERY` checks, in one pass over the deliveries.
+
+    Each delivery is matched once with its token and fact (and, for ``delivered_beyond_token``,
+    its watermark, from a broadcast table); every wanted check's condition is evaluated on the
+    row, and the row is repeated once per check it fails.
+    """
+    rules = {n: r for n, r in _per_delivery(ctx).items() if n in names}
+    m = matched(ctx, e)
+    if "delivered_beyond_token" in rules:
+        wm = small(watermarks(ctx).withColumnRenamed("writer", "_w"), ctx.token_rows * max(1, ctx.writers))
+        m = m.withColumn("_w", F.col("f.writer")).join(wm, ["reader", "stream", "seq", "_w"], "left")
+    failed = F.filter(F.array(*[F.when(F.coalesce(cond, F.lit(False)), F.lit(n)) for n, (cond, _) in rules.items()]),
+                      lambda c: c.isNotNull())
+    df = m.withColumn("_checks", failed).where(F.size("_checks") > 0).withColumn("_check", F.explode("_checks"))
+    explanation = Sql("CASE _check " + " ".join(f"WHEN {lit(n)} THEN {x}" for n, (_, x) in rules.items()) + " END")
+    extra = {"claimed_pos": when(f"_check = {lit('delivered_beyond_token')}", "wm")} if "wm" in df.columns else {}
+    return _common(df, tuple(rules), explanation, **extra)
+
+
 def phantom_delivery(ctx: Context, e: DataFrame) -> DataFrame:
     """Delivered event ids that no fact of the stream carries."""
-    m = matched(ctx, e)
-    return _common(m.where(F.col("f").isNull()), "phantom_delivery", sentence(
-        *_who(), " but no writer of ", txt("stream"), " logged that event: it was invented."))
+    return per_delivery(ctx, e, ["phantom_delivery"])
 
 
 def aborted_delivery(ctx: Context, e: DataFrame) -> DataFrame:
     """Delivered facts whose reservation was aborted."""
-    m = matched(ctx, e)
-    return _common(m.where(F.col("f.aborted")), "aborted_delivery", sentence(
-        *_who(), " but ", txt("f.writer"), " aborted that fact (stream id ", txt("f.sid"),
-        "): an aborted write was read."))
+    return per_delivery(ctx, e, ["aborted_delivery"])
 
 
 def premature_delivery(ctx: Context, e: DataFrame) -> DataFrame:
     """Facts delivered before they completed (a dirty read)."""
-    late = when("f.rel IS NULL", lit("had not completed by the end of the log"),
-                sentence("completed only at ", ts("f.rel")))
-    cond = F.col("f.rel").isNull() | (F.col("f.rel") - F.lit(ctx.skew_us) > F.col("issued"))
-    m = matched(ctx, e)
-    return _common(m.where(F.col("f").isNotNull() & cond), "premature_delivery", sentence(
-        *_who(), " but that fact (stream id ", txt("f.sid"), ", ", txt("f.writer"), ") ", late,
-        ": a write was read before it was durable."))
+    return per_delivery(ctx, e, ["premature_delivery"])
 
 
 def chain_breaks(ctx: Context) -> DataFrame:
@@ -179,14 +214,7 @@ def watermarks(ctx: Context) -> DataFrame:
 
 def delivered_beyond_token(ctx: Context, e: DataFrame) -> DataFrame:
     """Facts delivered with a valid token whose watermark does not cover them."""
-    wm = small(watermarks(ctx).withColumnRenamed("writer", "_w"), ctx.token_rows * max(1, ctx.writers))
-    m = matched(ctx, e)
-    df = (m.where(F.col("valid") & F.col("f").isNotNull()).withColumn("_w", F.col("f.writer"))
-          .join(wm, ["reader", "stream", "seq", "_w"]).where(F.col("f.sid") > F.col("wm")))
-    return _common(df, "delivered_beyond_token", sentence(
-        *_who(), " but that fact is stream id ", txt("f.sid"), " of ", txt("f.writer"),
-        " and the reader's position for ", txt("f.writer"), " is only ", txt("wm"),
-        ": resuming from this token would deliver it again."), claimed_pos="wm")
+    return per_delivery(ctx, e, ["delivered_beyond_token"])
 
 
 def _coverage(ctx: Context) -> tuple[DataFrame, DataFrame]:

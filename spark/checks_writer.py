@@ -10,7 +10,7 @@ from pyspark.sql import DataFrame, Window
 from pyspark.sql import functions as F
 
 from spark.checks_delivery import by_event
-from spark.common import INF, Context, finish, lit, sentence, ts, txt, when
+from spark.common import INF, Context, finish, lit, materialise, sentence, ts, txt, when
 
 
 def _repeated(facts: DataFrame, key: str) -> DataFrame:
@@ -81,16 +81,18 @@ def writer_sid_regression(ctx: Context) -> DataFrame:
 def sharding_violation(ctx: Context) -> DataFrame:
     """Facts reserved while another writer still held an open reservation in the same room.
 
-    Only rooms with two or more writers are examined (a broadcast table of them filters the
-    facts). For each such room and each of its writers
-    W, W's facts are sorted with the other writers' facts; a running maximum of the others'
-    release times tells whether any of them was still open when W reserved.
+    Only rooms with two or more writers are examined. They are found with a hash aggregation of
+    the distinct (room, writer) pairs, and their facts, filtered from the facts with a
+    broadcast table of them, are materialised: one scan of the facts each, and what follows
+    reads only the facts of those rooms. For each such room and each of its writers W, W's facts
+    are sorted with the other writers' facts; a running maximum of the others' release times
+    tells whether any of them was still open when W reserved.
     """
     f = ctx.facts.where(F.col("room").isNotNull())
-    # The rooms with two or more writers are few (hand-overs): a small table, aggregated map-side,
-    # broadcast so that the facts are filtered without a shuffle.
-    multi = f.groupBy("stream", "room").agg(F.countDistinct("writer").alias("k")).where("k > 1")
-    f = f.join(F.broadcast(multi.select("stream", "room")), ["stream", "room"], "left_semi")
+    # The rooms with two or more writers are few (hand-overs): a small table, aggregated map-side.
+    multi = (f.select("stream", "room", "writer").distinct().groupBy("stream", "room").count()
+             .where("count > 1").select("stream", "room").transform(materialise))
+    f = f.join(F.broadcast(multi), ["stream", "room"], "left_semi").transform(materialise)
     room_writers = f.select("stream", "room", F.col("writer").alias("me")).distinct()
     rel_inf = F.coalesce("rel", F.lit(INF))
     others = (f.join(room_writers, ["stream", "room"]).where(F.col("writer") != F.col("me"))

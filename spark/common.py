@@ -130,12 +130,13 @@ def when(cond: str, then: str, otherwise: str = "NULL") -> Sql:
     return Sql(f"CASE WHEN {cond} THEN {then} ELSE {otherwise} END")
 
 
-def finish(df: DataFrame, check: str, **cols: str) -> DataFrame:
+def finish(df: DataFrame, check: str | tuple[str, ...], **cols: str) -> DataFrame:
     """Shape ``df`` into the violation output columns.
 
     Args:
         df: the violating rows.
-        check: the check name.
+        check: the check name; or several check names with one key, when ``df`` has a
+            ``_check`` column naming each row's check (the expressions may branch on it).
         **cols: SQL expressions for output columns (µs integers for the time columns); absent
             columns are null. ``explanation`` is required.
 
@@ -143,19 +144,29 @@ def finish(df: DataFrame, check: str, **cols: str) -> DataFrame:
         A frame with :data:`spark.checks.OUTPUT_COLUMNS` and ``_key`` (the check's key as one
         string: the stage keeps one row per ``check, _key``).
     """
+    names = (check,) if isinstance(check, str) else check
+    keys = {BY_NAME[n].key for n in names}
+    if len(keys) != 1:
+        raise ValueError(f"checks {names} do not share one key")
+    if isinstance(check, str):
+        name, severity = lit(check), lit(BY_NAME[check].severity.value)
+    else:
+        name = Sql("_check")
+        severity = Sql("CASE _check " + " ".join(
+            f"WHEN {lit(n)} THEN {lit(BY_NAME[n].severity.value)}" for n in names) + " END")
     exprs = []
     for c in OUTPUT_COLUMNS:
         typ = OUTPUT_TYPES[c].simpleString()
         if c == "check":
-            e = lit(check)
+            e = name
         elif c == "severity":
-            e = lit(BY_NAME[check].severity.value)
+            e = severity
         elif c in cols:
             e = f"timestamp_micros({cols[c]})" if typ == "timestamp" else cols[c]
         else:
             e = "NULL"
         exprs.append(f"CAST({e} AS {typ}) AS `{c}`")
-    key = ", ".join(f"coalesce(cast(`{k}` AS STRING), '\\u0000')" for k in BY_NAME[check].key)
+    key = ", ".join(f"coalesce(cast(`{k}` AS STRING), '\\u0000')" for k in keys.pop())
     return df.selectExpr(*exprs).selectExpr("*", f"concat_ws('\\u0001', {key}) AS _key")
 
 

@@ -97,7 +97,8 @@ def _stage(name: str, dfs: dict[str, DataFrame], args: argparse.Namespace, summa
     """
     t = time.monotonic()
     progress(f"stage {name}: {', '.join(dfs)}")
-    v = (reduce(DataFrame.unionByName, dfs.values()).dropDuplicates(["check", "_key"]).drop("_key")
+    frames = list({id(df): df for df in dfs.values()}.values())  # a frame may serve several checks
+    v = (reduce(DataFrame.unionByName, frames).dropDuplicates(["check", "_key"]).drop("_key")
          .persist(StorageLevel.MEMORY_AND_DISK))
     order = [c for c in ("stream", "reader", "seq", "writer", "stream_id", "event_id", "room_id")]
     ranked = (v.withColumn("_n", F.count(F.lit(1)).over(Window.partitionBy("check")))
@@ -136,6 +137,8 @@ def build_context(spark: SparkSession, inputs: Inputs, args: argparse.Namespace)
 def stages(ctx: Context, wanted: set[str]) -> Iterator[tuple[str, dict[str, DataFrame], DataFrame | None]]:
     """Each stage's name, the violation frames of its wanted checks, and its pending-count frame.
 
+    Several checks may map to one frame that computes them all (its rows name their check).
+
     The per-event table (:func:`spark.checks_delivery.by_event`) shared by
     ``duplicate_event_id`` and the delivery checks is materialised, into ``ctx.events``, just
     before the first stage that needs it. The pending frame (one row, one count) is None except
@@ -155,7 +158,11 @@ def stages(ctx: Context, wanted: set[str]) -> Iterator[tuple[str, dict[str, Data
         ctx.events = checks_delivery.events_table(ctx)
     e = ctx.events
     if wanted & set(checks_delivery.CHECKS):
-        yield "delivery", {n: fn(ctx, e) for n, fn in checks_delivery.CHECKS.items() if n in wanted}, None
+        # The per-delivery checks share one frame (one pass over the deliveries).
+        one = [n for n in checks_delivery.PER_DELIVERY if n in wanted]
+        shared = checks_delivery.per_delivery(ctx, e, one) if one else None
+        yield "delivery", {n: shared if n in one else fn(ctx, e)
+                           for n, fn in checks_delivery.CHECKS.items() if n in wanted}, None
     if "undelivered" in wanted:
         df, pending = checks_delivery.undelivered(ctx, e)
         yield "undelivered", {"undelivered": df}, pending
