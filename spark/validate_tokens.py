@@ -16,9 +16,12 @@ if not __package__:  # run as a script (spark-submit): make the `spark` package 
     sys.path.insert(0, os.path.dirname(_here))
 
 import argparse
+import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import reduce
 from typing import Any
@@ -77,6 +80,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--master", help="Spark master (default: spark-submit's, SPARK_MASTER, else local[*])")
     p.add_argument("--shuffle-partitions", type=int, help="spark.sql.shuffle.partitions")
     p.add_argument("--driver-memory", default="6g", help="driver memory when this process starts Spark")
+    p.add_argument("--parallel-stages", type=int, default=2,
+                   help="stages run at a time, each in its own thread (default 2; 1: one after another)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     a = p.parse_args(argv)
     names = CHECK_NAMES if a.checks == "all" else tuple(c.strip() for c in a.checks.split(",") if c.strip())
@@ -88,12 +93,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _stage(name: str, dfs: dict[str, DataFrame], args: argparse.Namespace, summary: dict,
-           examples: dict, progress: _Progress) -> None:
+           examples: dict, progress: _Progress, writing: threading.Lock) -> None:
     """Compute one stage's checks in one Spark job, then summarise and write them.
 
     The checks' violations are unioned, deduplicated per key and cached; one query then
     returns the count and the first ``--top`` rows of each check, and one write appends the
-    rows to ``violations/``.
+    rows to ``violations/`` (holding ``writing``: two writes into one directory at once would
+    share Spark's temporary directory there).
     """
     t = time.monotonic()
     progress(f"stage {name}: {', '.join(dfs)}")
@@ -110,7 +116,8 @@ def _stage(name: str, dfs: dict[str, DataFrame], args: argparse.Namespace, summa
         counts[d["check"]] = d.pop("_n")
         examples.setdefault(d["check"], []).append(d)
     if any(counts.values()):
-        write_violations(v, f"{args.out.rstrip('/')}/violations", args.output_format)
+        with writing:
+            write_violations(v, f"{args.out.rstrip('/')}/violations", args.output_format)
     v.unpersist()
     secs = round(time.monotonic() - t, 3)
     summary["timings"][name] = secs
@@ -134,43 +141,72 @@ def build_context(spark: SparkSession, inputs: Inputs, args: argparse.Namespace)
                    max(1, int(args.bucket_s * 1_000_000)))
 
 
+@dataclass
+class Stage:
+    """One stage: a group of checks computed and written together.
+
+    Attributes:
+        name: the stage name (``syntax``, ``writer``, ``tokens``, ``delivery``, ``undelivered``).
+        needs_events: whether it reads the per-event table (``ctx.events``).
+        build: returns the violation frames of its wanted checks and its pending-count frame
+            (None except for ``undelivered``); several checks may map to one frame that
+            computes them all (its rows name their check).
+    """
+
+    name: str
+    needs_events: bool
+    build: Callable[[], tuple[dict[str, DataFrame], DataFrame | None]]
+
+
+def plan_stages(ctx: Context, wanted: set[str]) -> list[Stage]:
+    """The stages that compute the ``wanted`` checks, in report order."""
+    def table(checks: dict) -> Callable[[], tuple[dict[str, DataFrame], DataFrame | None]]:
+        return lambda: ({n: fn(ctx) for n, fn in checks.items() if n in wanted}, None)
+
+    def delivery() -> tuple[dict[str, DataFrame], DataFrame | None]:
+        assert ctx.events is not None
+        one = [n for n in checks_delivery.PER_DELIVERY if n in wanted]
+        shared = checks_delivery.per_delivery(ctx, ctx.events, one) if one else None
+        return {n: shared if n in one else fn(ctx, ctx.events)
+                for n, fn in checks_delivery.CHECKS.items() if n in wanted}, None
+
+    def undelivered() -> tuple[dict[str, DataFrame], DataFrame | None]:
+        assert ctx.events is not None
+        df, pending = checks_delivery.undelivered(ctx, ctx.events)
+        return {"undelivered": df}, pending
+
+    out = [Stage("syntax", False, table(checks_syntax.CHECKS)),
+           Stage("writer", "duplicate_event_id" in wanted, table(checks_writer.CHECKS)),
+           Stage("tokens", False, table(checks_tokens.CHECKS)),
+           Stage("delivery", True, delivery), Stage("undelivered", True, undelivered)]
+    groups = {"syntax": checks_syntax.CHECKS, "writer": checks_writer.CHECKS,
+              "tokens": checks_tokens.CHECKS, "delivery": checks_delivery.CHECKS,
+              "undelivered": {"undelivered": None}}
+    return [st for st in out if wanted & set(groups[st.name])]
+
+
 def stages(ctx: Context, wanted: set[str]) -> Iterator[tuple[str, dict[str, DataFrame], DataFrame | None]]:
     """Each stage's name, the violation frames of its wanted checks, and its pending-count frame.
 
-    Several checks may map to one frame that computes them all (its rows name their check).
-
-    The per-event table (:func:`spark.checks_delivery.by_event`) shared by
-    ``duplicate_event_id`` and the delivery checks is materialised, into ``ctx.events``, just
-    before the first stage that needs it. The pending frame (one row, one count) is None except
-    for ``undelivered``.
+    One stage after another (the job itself runs them concurrently: :func:`run_checks`). The
+    per-event table is materialised into ``ctx.events`` just before the first stage that reads it.
     """
-    needs_events = wanted & {"duplicate_event_id", *checks_delivery.CHECKS, "undelivered"}
-    for stage, table in (("syntax", checks_syntax.CHECKS), ("writer", checks_writer.CHECKS),
-                         ("tokens", checks_tokens.CHECKS)):
-        if needs_events and ctx.events is None and wanted & {"duplicate_event_id"} & set(table):
+    for st in plan_stages(ctx, wanted):
+        if st.needs_events and ctx.events is None:
             ctx.events = checks_delivery.events_table(ctx)
-        dfs = {n: fn(ctx) for n, fn in table.items() if n in wanted}
-        if dfs:
-            yield stage, dfs, None
-    if not wanted & {*checks_delivery.CHECKS, "undelivered"}:
-        return
-    if ctx.events is None:
-        ctx.events = checks_delivery.events_table(ctx)
-    e = ctx.events
-    if wanted & set(checks_delivery.CHECKS):
-        # The per-delivery checks share one frame (one pass over the deliveries).
-        one = [n for n in checks_delivery.PER_DELIVERY if n in wanted]
-        shared = checks_delivery.per_delivery(ctx, e, one) if one else None
-        yield "delivery", {n: shared if n in one else fn(ctx, e)
-                           for n, fn in checks_delivery.CHECKS.items() if n in wanted}, None
-    if "undelivered" in wanted:
-        df, pending = checks_delivery.undelivered(ctx, e)
-        yield "undelivered", {"undelivered": df}, pending
+        dfs, pending = st.build()
+        yield st.name, dfs, pending
 
 
 def run_checks(spark: SparkSession, args: argparse.Namespace, summary: dict, examples: dict,
                progress: _Progress) -> None:
-    """Load the input and run the selected checks, filling ``summary`` and ``examples``."""
+    """Load the input and run the selected checks, filling ``summary`` and ``examples``.
+
+    The stages run ``--parallel-stages`` at a time (two by default), each in its own thread: a
+    stage's Spark jobs leave cores idle between their steps, and another stage's tasks fill
+    them. The per-event table is built first, alongside the stages that do not read it; the
+    stages that read it start once it is there. Stage times therefore overlap.
+    """
     t = time.monotonic()
     progress(f"stage load: reading {args.logs}")
     inputs = load(spark, args.logs)
@@ -180,21 +216,41 @@ def run_checks(spark: SparkSession, args: argparse.Namespace, summary: dict, exa
              f"{inputs.stats['token_logs']['deliveries']} deliveries")
     ctx = build_context(spark, inputs, args)
     summary["timings"]["load"] = round(time.monotonic() - t, 3)
-    steps = stages(ctx, set(args.check_names))
-    while True:
+    plan = plan_stages(ctx, set(args.check_names))
+    writing = threading.Lock()  # one write at a time into violations/
+
+    def events() -> None:
         t = time.monotonic()
-        step = next(steps, None)
-        if step is None:
-            break
-        stage, dfs, pending = step
-        prepared = time.monotonic() - t  # materialising a shared table, e.g. the per-event one
+        spark.sparkContext.setJobDescription("validate_tokens: per-event table")
+        progress("per-event table: building")
+        ctx.events = checks_delivery.events_table(ctx)
+        summary["timings"]["events_table"] = round(time.monotonic() - t, 3)
+        progress(f"per-event table: built in {summary['timings']['events_table']:.1f}s")
+
+    def run_stage(st: Stage) -> None:
+        t = time.monotonic()
+        spark.sparkContext.setJobDescription(f"validate_tokens: stage {st.name}")  # for the Spark UI
+        dfs, pending = st.build()
+        prepared = time.monotonic() - t  # eager preparation inside a check, e.g. a small table
         if prepared >= 0.5:
-            summary["timings"][f"{stage}_prepare"] = round(prepared, 3)
-            progress(f"stage {stage}: prepared in {prepared:.1f}s")
+            summary["timings"][f"{st.name}_prepare"] = round(prepared, 3)
+            progress(f"stage {st.name}: prepared in {prepared:.1f}s")
         if pending is not None:
             row = pending.first()
             summary["pending"]["above_reader_watermark"] = row[0] if row is not None else 0
-        _stage(stage, dfs, args, summary, examples, progress)
+        _stage(st.name, dfs, args, summary, examples, progress, writing)
+
+    with ThreadPoolExecutor(max(1, args.parallel_stages), thread_name_prefix="stage") as pool:
+        futures = []
+        table = pool.submit(events) if any(st.needs_events for st in plan) else None
+        futures += [pool.submit(run_stage, st) for st in plan if not st.needs_events]
+        if table is not None:
+            table.result()
+            futures += [pool.submit(run_stage, st) for st in plan if st.needs_events]
+        for f in futures:
+            f.result()
+    # The report lists the checks in their defined order, whichever stage finished first.
+    summary["checks"] = {c: summary["checks"][c] for c in CHECK_NAMES if c in summary["checks"]}
     summary["pending"]["in_flight_facts"] = inputs.stats["writer_logs"]["in_flight"]
 
 
