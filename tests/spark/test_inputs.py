@@ -69,6 +69,15 @@ class InputTests(TestCase):
         write(self.logs, "writer_logs", [dict(WRITERS[0], reserved_at="yesterday")])
         self.assertIn("unparseable reserved_at", self._error())
 
+    def test_writer_log_error_is_reported_first(self):
+        """With both logs bad (they are read concurrently), the writer log's problem is the one reported."""
+        write(self.logs, "writer_logs", [dict(WRITERS[0], reserved_at="yesterday")])
+        with open(os.path.join(self.logs, "token_logs", "part-0.jsonl"), "a", encoding="utf-8") as fh:
+            fh.write("{not json\n")
+        error = self._error()
+        self.assertIn("unparseable reserved_at", error)
+        self.assertNotIn("not json", error)
+
     def test_empty_token_log(self):
         """An empty token log is inconclusive: bad input."""
         write(self.logs, "token_logs", [])

@@ -144,6 +144,21 @@ class InjectedCorpusTests(TestCase):
                          sorted(violation_key(r["check"], r) for r in jsonl))
 
 
+    def test_stages_one_at_a_time_give_the_same_output(self):
+        """`--parallel-stages 1` reports exactly the violations and counts of the default concurrent run."""
+        corpus, _, rows, s, _ = _run("jsonl")
+        out = os.path.join(_ROOT, "out-sequential")
+        code = validate(os.path.join(_ROOT, "injected", "jsonl"), out, "--parallel-stages", "1")
+        self.assertEqual(code, 1)
+        self.assertEqual(sorted(violation_key(r["check"], r) for r in violations(out)),
+                         sorted(violation_key(r["check"], r) for r in rows))
+        one = summary(out)
+        self.assertEqual({c: r["count"] for c, r in one["checks"].items()},
+                         {c: r["count"] for c, r in s["checks"].items()})
+        self.assertEqual(one["pending"], s["pending"])
+        self.assertIn("events_table", s["timings"])
+
+
 class CleanParquetTests(TestCase):
     """Clean logs in Parquet validate clean."""
 
