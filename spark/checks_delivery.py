@@ -21,7 +21,7 @@ from pyspark.sql import functions as F
 from spark.checks_syntax import chain_order, eff_of, parse_tokens, with_chain_breaks, writer_id
 from spark.checks_tokens import first_covering, records
 from spark.common import (
-    INF,
+    NO_PARTIAL_AGGREGATION,
     Context,
     Sql,
     finish,
@@ -40,15 +40,14 @@ def by_event(ctx: Context) -> DataFrame:
     """One row per (stream, event id) that a fact carries or a reader was given.
 
     Columns: ``stream, ev``; ``fs``: the facts with that event id sorted by stream id (null:
-    none), ``struct(sid, writer, res, rel_inf, aborted, rel, room)``; ``d``: its deliveries
+    none), ``struct(sid, writer, res, aborted, rel, room)``; ``d``: its deliveries
     (null: none), ``struct(reader, seq, pos)``.
 
     The facts and the deliveries are unioned, each row carrying its own struct and a null for
     the other side, and grouped once (``collect_list`` skips the nulls): one shuffle and one
     aggregation of both, and no join (:func:`events_table` materialises it).
     """
-    rel_inf = F.coalesce("rel", F.lit(INF))
-    f = F.struct("sid", "writer", "res", rel_inf.alias("rel_inf"), "aborted", "rel", "room")
+    f = F.struct("sid", "writer", "res", "aborted", "rel", "room")
     d = F.struct("reader", "seq", "pos")
     facts = ctx.facts.where(F.col("ev").isNotNull()).select("stream", "ev", f.alias("_f"))
     dels = ctx.deliveries.select("stream", F.col("event_id").alias("ev"), d.alias("_d"))
@@ -59,13 +58,12 @@ def by_event(ctx: Context) -> DataFrame:
                           F.when(F.size("d") > 0, F.col("d")).alias("d"))
 
 
-#: The per-event grouping's keys are nearly all distinct (a delivered event is one fact and a few
-#: deliveries), so a pre-shuffle partial aggregation only copies the rows: it is skipped.
-NO_PARTIAL_AGGREGATION = {"spark.sql.execution.bypassPartialAggregation": "true"}
-
-
 def events_table(ctx: Context) -> DataFrame:
-    """The materialised :func:`by_event` table, planned without partial aggregation."""
+    """The materialised :func:`by_event` table, planned without partial aggregation.
+
+    The grouping's keys are nearly all distinct (a delivered event is one fact and a few
+    deliveries), so a pre-shuffle partial aggregation would only copy the rows.
+    """
     with sql_conf(ctx.spark, NO_PARTIAL_AGGREGATION):
         return by_event(ctx).transform(materialise)
 

@@ -10,21 +10,36 @@ from pyspark.sql import DataFrame, Window
 from pyspark.sql import functions as F
 
 from spark.checks_delivery import by_event
-from spark.common import INF, Context, finish, lit, materialise, sentence, ts, txt, when
-
-
-def _repeated(facts: DataFrame, key: str) -> DataFrame:
-    """The facts whose (stream, ``key``) is shared with another fact.
-
-    A count over a window partitioned by the key: one shuffle of the facts, after which the
-    few repeated rows are aggregated where they already are (no second shuffle).
-    """
-    return facts.withColumn("_n", F.count(F.lit(1)).over(Window.partitionBy("stream", key))).where("_n > 1")
+from spark.common import (
+    INF,
+    NO_PARTIAL_AGGREGATION,
+    Context,
+    Sql,
+    finish,
+    lit,
+    materialise,
+    sentence,
+    small,
+    sql_conf,
+    ts,
+    txt,
+    when,
+)
 
 
 def duplicate_stream_id(ctx: Context) -> DataFrame:
-    """Stream ids used by more than one fact of a stream."""
-    df = (_repeated(ctx.facts, "sid").groupBy("stream", "sid")
+    """Stream ids used by more than one fact of a stream.
+
+    The repeated (stream, stream id) keys are found by a hash aggregation of those two columns
+    alone (without the pre-shuffle partial step: nearly every key is distinct) and materialised;
+    the facts carrying them are then picked out with an equi-join (broadcast while they are few)
+    and aggregated for the explanation.
+    """
+    with sql_conf(ctx.spark, NO_PARTIAL_AGGREGATION):
+        keys = (ctx.facts.groupBy("stream", "sid").count().where("count > 1").select("stream", "sid")
+                .transform(materialise))
+    repeated = ctx.facts.join(small(keys, keys.count()), ["stream", "sid"], "left_semi")
+    df = (repeated.groupBy("stream", "sid")
           .agg(F.count(F.lit(1)).alias("n"), F.min(F.struct("res", "writer", "ev")).alias("a"),
                F.max(F.struct("res", "writer", "ev")).alias("b")))
     return finish(df, "duplicate_stream_id", stream="stream", stream_id="sid", writer="a.writer",
@@ -53,29 +68,74 @@ def duplicate_event_id(ctx: Context) -> DataFrame:
                       "): readers would be handed it twice."))
 
 
+#: The checks :func:`per_fact` computes in one pass over the facts.
+PER_FACT = ("invalid_interval", "writer_sid_regression", "unresolved_reservation")
+
+
+def _regressions(ctx: Context) -> DataFrame:
+    """``stream, writer, sid, prev_sid, prev_res`` of the facts whose stream id is lower than the
+    writer's previous reservation's (ordered by reservation time, then stream id).
+
+    The window sorts only the four columns it orders by; the few rows found are materialised.
+    """
+    w = Window.partitionBy("stream", "writer").orderBy("res", "sid")
+    return (ctx.facts.select("stream", "writer", "res", "sid")
+            .withColumn("prev_sid", F.lag("sid").over(w)).withColumn("prev_res", F.lag("res").over(w))
+            .where(F.col("sid") < F.col("prev_sid")).select("stream", "writer", "sid", "prev_sid", "prev_res")
+            .transform(materialise))
+
+
+def per_fact(ctx: Context, names: list[str] | tuple[str, ...]) -> DataFrame:
+    """The violations of the wanted :data:`PER_FACT` checks, in one pass over the facts.
+
+    ``writer_sid_regression`` first finds its few rows with a narrow window
+    (:func:`_regressions`); the pass then joins them (broadcast while they are few) and evaluates
+    every wanted check's condition on each fact, repeating the row once per check it fails.
+    """
+    expl = {
+        "invalid_interval": sentence(
+            "fact ", txt("ev"), " (stream id ", txt("sid"), ", ", txt("writer"), ") completed at ",
+            ts("rel"), ", before it was reserved at ", ts("res"), ": the writer's clock or log is wrong."),
+        "writer_sid_regression": sentence(
+            txt("writer"), " reserved stream id ", txt("sid"), " at ", ts("res"), " after reserving ",
+            txt("prev_sid"), " at ", ts("prev_res"), ": ids from one sequence must grow with time "
+            "(clock skew, a reset sequence or a foreign writer)."),
+        "unresolved_reservation": sentence(
+            txt("writer"), " reserved stream id ", txt("sid"), " of ", txt("stream"), " at ", ts("res"),
+            " and had not completed it by the end of the log, more than the allowance later: a stuck "
+            "reservation holds back every reader's position."),
+    }
+    conds = {
+        "invalid_interval": F.col("rel") < F.col("res"),
+        "writer_sid_regression": F.col("prev_sid").isNotNull(),
+        "unresolved_reservation": F.col("rel").isNull() & (F.col("res") < F.lit(ctx.unresolved_before)),
+    }
+    wanted = [n for n in PER_FACT if n in names]
+    df = ctx.facts
+    if "writer_sid_regression" in wanted:
+        reg = _regressions(ctx)
+        df = df.join(small(reg, reg.count()), ["stream", "writer", "sid"], "left")
+    failed = F.filter(F.array(*[F.when(F.coalesce(conds[n], F.lit(False)), F.lit(n)) for n in wanted]),
+                      lambda c: c.isNotNull())
+    df = df.withColumn("_checks", failed).where(F.size("_checks") > 0).withColumn("_check", F.explode("_checks"))
+    explanation = Sql("CASE _check " + " ".join(f"WHEN {lit(n)} THEN {expl[n]}" for n in wanted) + " END")
+    return finish(df, tuple(wanted), stream="stream", writer="writer", stream_id="sid", event_id="ev",
+                  room_id="room", reserved_at="res", completed_at="rel", explanation=explanation)
+
+
 def invalid_interval(ctx: Context) -> DataFrame:
     """Facts completed before they were reserved."""
-    df = ctx.facts.where(F.col("rel") < F.col("res"))
-    return finish(df, "invalid_interval", stream="stream", writer="writer", stream_id="sid",
-                  event_id="ev", room_id="room", reserved_at="res", completed_at="rel",
-                  explanation=sentence(
-                      "fact ", txt("ev"), " (stream id ", txt("sid"), ", ", txt("writer"),
-                      ") completed at ", ts("rel"), ", before it was reserved at ", ts("res"),
-                      ": the writer's clock or log is wrong."))
+    return per_fact(ctx, ["invalid_interval"])
 
 
 def writer_sid_regression(ctx: Context) -> DataFrame:
     """Facts whose stream id is lower than that of the writer's previous reservation."""
-    w = Window.partitionBy("stream", "writer").orderBy("res", "sid")
-    df = (ctx.facts.withColumn("prev_sid", F.lag("sid").over(w))
-          .withColumn("prev_res", F.lag("res").over(w)).where(F.col("sid") < F.col("prev_sid")))
-    return finish(df, "writer_sid_regression", stream="stream", writer="writer", stream_id="sid",
-                  event_id="ev", room_id="room", reserved_at="res", completed_at="rel",
-                  explanation=sentence(
-                      txt("writer"), " reserved stream id ", txt("sid"), " at ", ts("res"),
-                      " after reserving ", txt("prev_sid"), " at ", ts("prev_res"),
-                      ": ids from one sequence must grow with time (clock skew, a reset sequence "
-                      "or a foreign writer)."))
+    return per_fact(ctx, ["writer_sid_regression"])
+
+
+def unresolved_reservation(ctx: Context) -> DataFrame:
+    """Reservations still open long before the end of the log (they hold every token's minimum)."""
+    return per_fact(ctx, ["unresolved_reservation"])
 
 
 def sharding_violation(ctx: Context) -> DataFrame:
@@ -113,17 +173,6 @@ def sharding_violation(ctx: Context) -> DataFrame:
                       txt("room"), " at ", ts("res"), " while ", txt("w.writer"),
                       "'s reservation ", txt("w.sid"), " (", txt("w.ev"), ") in that room ",
                       open_until, ": two writers wrote one room at once."))
-
-
-def unresolved_reservation(ctx: Context) -> DataFrame:
-    """Reservations still open long before the end of the log (they hold every token's minimum)."""
-    df = ctx.facts.where(F.col("rel").isNull() & (F.col("res") < F.lit(ctx.unresolved_before)))
-    return finish(df, "unresolved_reservation", stream="stream", writer="writer", stream_id="sid",
-                  event_id="ev", room_id="room", reserved_at="res", explanation=sentence(
-                      txt("writer"), " reserved stream id ", txt("sid"), " of ", txt("stream"),
-                      " at ", ts("res"), " and had not completed it by the end of the log, "
-                      "more than the allowance later: a stuck "
-                      "reservation holds back every reader's position."))
 
 
 CHECKS = {"duplicate_stream_id": duplicate_stream_id, "duplicate_event_id": duplicate_event_id,

@@ -40,6 +40,10 @@ def materialise(df: DataFrame) -> DataFrame:
     return df.localCheckpoint(eager=True, storageLevel=StorageLevel.MEMORY_AND_DISK)
 
 
+#: For an aggregation whose keys are nearly all distinct: skip the pre-shuffle partial step.
+NO_PARTIAL_AGGREGATION = {"spark.sql.execution.bypassPartialAggregation": "true"}
+
+
 @contextmanager
 def sql_conf(spark: SparkSession, settings: dict[str, str]) -> Iterator[None]:
     """Apply runtime SQL ``settings`` to ``spark`` for the ``with`` block, then restore them.

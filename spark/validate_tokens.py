@@ -163,12 +163,22 @@ def plan_stages(ctx: Context, wanted: set[str]) -> list[Stage]:
     def table(checks: dict) -> Callable[[], tuple[dict[str, DataFrame], DataFrame | None]]:
         return lambda: ({n: fn(ctx) for n, fn in checks.items() if n in wanted}, None)
 
+    def one_pass(checks: dict, together: tuple[str, ...], shared: Callable[[list[str]], DataFrame],
+                 call: Callable[[Callable], DataFrame]) -> dict[str, DataFrame]:
+        # The wanted checks of `together` map to one frame that computes them all.
+        one = [n for n in together if n in wanted]
+        frame = shared(one) if one else None
+        return {n: frame if n in one else call(fn) for n, fn in checks.items() if n in wanted}
+
+    def writer() -> tuple[dict[str, DataFrame], DataFrame | None]:
+        return one_pass(checks_writer.CHECKS, checks_writer.PER_FACT, lambda one: checks_writer.per_fact(ctx, one),
+                        lambda fn: fn(ctx)), None
+
     def delivery() -> tuple[dict[str, DataFrame], DataFrame | None]:
-        assert ctx.events is not None
-        one = [n for n in checks_delivery.PER_DELIVERY if n in wanted]
-        shared = checks_delivery.per_delivery(ctx, ctx.events, one) if one else None
-        return {n: shared if n in one else fn(ctx, ctx.events)
-                for n, fn in checks_delivery.CHECKS.items() if n in wanted}, None
+        e = ctx.events
+        assert e is not None
+        return one_pass(checks_delivery.CHECKS, checks_delivery.PER_DELIVERY,
+                        lambda one: checks_delivery.per_delivery(ctx, e, one), lambda fn: fn(ctx, e)), None
 
     def undelivered() -> tuple[dict[str, DataFrame], DataFrame | None]:
         assert ctx.events is not None
@@ -176,7 +186,7 @@ def plan_stages(ctx: Context, wanted: set[str]) -> list[Stage]:
         return {"undelivered": df}, pending
 
     out = [Stage("syntax", False, table(checks_syntax.CHECKS)),
-           Stage("writer", "duplicate_event_id" in wanted, table(checks_writer.CHECKS)),
+           Stage("writer", "duplicate_event_id" in wanted, writer),
            Stage("tokens", False, table(checks_tokens.CHECKS)),
            Stage("delivery", True, delivery), Stage("undelivered", True, undelivered)]
     groups = {"syntax": checks_syntax.CHECKS, "writer": checks_writer.CHECKS,
