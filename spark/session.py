@@ -7,8 +7,9 @@ from collections.abc import Mapping
 
 from pyspark.sql import SparkSession
 
-DEFAULT_LOCAL_SHUFFLE_PARTITIONS = 64
+DEFAULT_LOCAL_SHUFFLE_PARTITIONS = 16
 KRYO = "org.apache.spark.serializer.KryoSerializer"
+LOCAL_DRIVER_JAVA_OPTIONS = "-XX:+UseParallelGC"
 
 
 def launched_by_spark_submit() -> bool:
@@ -49,7 +50,7 @@ def get_session(
     Args:
         master: the Spark master URL, overriding everything else.
         shuffle_partitions: ``spark.sql.shuffle.partitions`` (default for a new session with a
-            local master and no configured value: 64; AQE coalesces).
+            local master and no configured value: 16; AQE coalesces).
         driver_memory: ``spark.driver.memory`` for a driver JVM this process launches.
         app_name: the application name.
 
@@ -73,6 +74,10 @@ def get_session(
             # Checkpointed rows are kept serialized; Kryo writes them with less work per row
             # than Java serialization. spark-submit's own configuration is left as it is.
             builder = builder.config("spark.serializer", KRYO)
+        if not submitted and chosen and chosen.startswith("local"):
+            # A local driver is the whole job: the throughput collector (no concurrent marking
+            # threads competing with the tasks for a few cores) ran the 10M bench about 10% faster.
+            builder = builder.config("spark.driver.extraJavaOptions", LOCAL_DRIVER_JAVA_OPTIONS)
         spark = builder.getOrCreate()
         spark.sparkContext.setLogLevel("WARN")
         # A local master (ours, or spark-submit's --master local[…]) gets the local shuffle
