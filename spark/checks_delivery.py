@@ -27,6 +27,7 @@ from spark.common import (
     finish,
     lit,
     materialise,
+    one_row_per_failed_check,
     sentence,
     small,
     sql_conf,
@@ -131,10 +132,7 @@ def per_delivery(ctx: Context, e: DataFrame, names: list[str] | tuple[str, ...])
     if "delivered_beyond_token" in rules:
         wm = small(watermarks(ctx).withColumnRenamed("writer", "_w"), ctx.token_rows * max(1, ctx.writers))
         m = m.withColumn("_w", F.col("f.writer")).join(wm, ["reader", "stream", "seq", "_w"], "left")
-    failed = F.filter(F.array(*[F.when(F.coalesce(cond, F.lit(False)), F.lit(n)) for n, (cond, _) in rules.items()]),
-                      lambda c: c.isNotNull())
-    df = m.withColumn("_checks", failed).where(F.size("_checks") > 0).withColumn("_check", F.explode("_checks"))
-    explanation = Sql("CASE _check " + " ".join(f"WHEN {lit(n)} THEN {x}" for n, (_, x) in rules.items()) + " END")
+    df, explanation = one_row_per_failed_check(m, rules)
     extra = {"claimed_pos": when(f"_check = {lit('delivered_beyond_token')}", "wm")} if "wm" in df.columns else {}
     return _common(df, tuple(rules), explanation, **extra)
 

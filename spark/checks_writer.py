@@ -14,10 +14,10 @@ from spark.common import (
     INF,
     NO_PARTIAL_AGGREGATION,
     Context,
-    Sql,
     finish,
     lit,
     materialise,
+    one_row_per_failed_check,
     sentence,
     small,
     sql_conf,
@@ -115,10 +115,7 @@ def per_fact(ctx: Context, names: list[str] | tuple[str, ...]) -> DataFrame:
     if "writer_sid_regression" in wanted:
         reg = _regressions(ctx)
         df = df.join(small(reg, reg.count()), ["stream", "writer", "sid"], "left")
-    failed = F.filter(F.array(*[F.when(F.coalesce(conds[n], F.lit(False)), F.lit(n)) for n in wanted]),
-                      lambda c: c.isNotNull())
-    df = df.withColumn("_checks", failed).where(F.size("_checks") > 0).withColumn("_check", F.explode("_checks"))
-    explanation = Sql("CASE _check " + " ".join(f"WHEN {lit(n)} THEN {expl[n]}" for n in wanted) + " END")
+    df, explanation = one_row_per_failed_check(df, {n: (conds[n], expl[n]) for n in wanted})
     return finish(df, tuple(wanted), stream="stream", writer="writer", stream_id="sid", event_id="ev",
                   room_id="room", reserved_at="res", completed_at="rel", explanation=explanation)
 

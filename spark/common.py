@@ -7,7 +7,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from pyspark import StorageLevel
-from pyspark.sql import DataFrame, SparkSession, Window
+from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
@@ -172,6 +172,23 @@ def finish(df: DataFrame, check: str | tuple[str, ...], **cols: str) -> DataFram
         exprs.append(f"CAST({e} AS {typ}) AS `{c}`")
     key = ", ".join(f"coalesce(cast(`{k}` AS STRING), '\\u0000')" for k in keys.pop())
     return df.selectExpr(*exprs).selectExpr("*", f"concat_ws('\\u0001', {key}) AS _key")
+
+
+def one_row_per_failed_check(df: DataFrame, rules: dict[str, tuple[Column, Sql]]) -> tuple[DataFrame, Sql]:
+    """Evaluate several checks on each row of ``df`` in one pass.
+
+    Args:
+        df: the rows.
+        rules: check name -> (condition that the row violates it, explanation SQL).
+
+    Returns:
+        The rows that fail some check, repeated once per check they fail with its name in
+        ``_check``, and the explanation SQL choosing by ``_check`` (for :func:`finish`).
+    """
+    failed = F.filter(F.array(*[F.when(F.coalesce(cond, F.lit(False)), F.lit(n)) for n, (cond, _) in rules.items()]),
+                      lambda c: c.isNotNull())
+    out = df.withColumn("_checks", failed).where(F.size("_checks") > 0).withColumn("_check", F.explode("_checks"))
+    return out, Sql("CASE _check " + " ".join(f"WHEN {lit(n)} THEN {x}" for n, (_, x) in rules.items()) + " END")
 
 
 def name_map(instances: dict[int, str]) -> Sql:
