@@ -15,7 +15,9 @@ the fact was due).
 
 from __future__ import annotations
 
-from pyspark.sql import DataFrame, Window
+from functools import reduce
+
+from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 
 from spark.checks_syntax import chain_order, eff_of, parse_tokens, with_chain_breaks, writer_id
@@ -37,7 +39,7 @@ from spark.common import (
 )
 
 
-def by_event(ctx: Context) -> DataFrame:
+def by_event(ctx: Context, only: DataFrame | None = None) -> DataFrame:
     """One row per (stream, event id) that a fact carries or a reader was given.
 
     Columns: ``stream, ev``; ``fs``: the facts with that event id sorted by stream id (null:
@@ -47,11 +49,19 @@ def by_event(ctx: Context) -> DataFrame:
     The facts and the deliveries are unioned, each row carrying its own struct and a null for
     the other side, and grouped once (``collect_list`` skips the nulls): one shuffle and one
     aggregation of both, and no join (:func:`events_table` materialises it).
+
+    Args:
+        ctx: the run context.
+        only: when given, a ``stream, ev`` table: only those event ids get a row (their facts
+            and deliveries are picked out with an equi-join, broadcast while it is small).
     """
     f = F.struct("sid", "writer", "res", "aborted", "rel", "room")
     d = F.struct("reader", "seq", "pos")
     facts = ctx.facts.where(F.col("ev").isNotNull()).select("stream", "ev", f.alias("_f"))
     dels = ctx.deliveries.select("stream", F.col("event_id").alias("ev"), d.alias("_d"))
+    if only is not None:
+        facts = facts.join(only, ["stream", "ev"], "left_semi")
+        dels = dels.join(only, ["stream", "ev"], "left_semi")
     rows = (facts.withColumn("_d", F.lit(None).cast(dels.schema["_d"].dataType))
             .unionByName(dels.withColumn("_f", F.lit(None).cast(facts.schema["_f"].dataType))))
     grouped = rows.groupBy("stream", "ev").agg(F.collect_list("_f").alias("fs"), F.collect_list("_d").alias("d"))
@@ -59,14 +69,117 @@ def by_event(ctx: Context) -> DataFrame:
                           F.when(F.size("d") > 0, F.col("d")).alias("d"))
 
 
-def events_table(ctx: Context) -> DataFrame:
-    """The materialised :func:`by_event` table, planned without partial aggregation.
+#: :func:`suspects` is used up to this many readers (one bit each in a 64-bit mask) ...
+TRIAGE_MAX_READERS = 64
+#: ... and this many writers (a column of watermarks each).
+TRIAGE_MAX_WRITERS = 64
+
+
+def _bit(i: int) -> int:
+    """Bit ``i`` (0-63) of a 64-bit mask as a signed 64-bit integer."""
+    return (1 << i) - (1 << 64) * (i == 63)
+
+
+def _literal_map(names: list[str], values: list[int], value_type: str) -> Column:
+    """A literal map ``names[i] -> values[i]``."""
+    if not names:
+        return F.create_map().cast(f"map<string,{value_type}>")
+    return F.create_map(*[x for n, v in zip(names, values) for x in (F.lit(n), F.lit(v).cast(value_type))])
+
+
+def _or_all(cols: list[Column]) -> Column:
+    return reduce(lambda a, c: a.bitwiseOR(c), cols, F.lit(0).cast("bigint"))
+
+
+def suspects(ctx: Context) -> DataFrame | None:
+    """The ``stream, ev`` keys that could hold a violation of a check reading the per-event table.
+
+    One hash aggregation of every fact and delivery by (stream, event id), with fixed-width
+    results only (no lists): the number of facts and of deliveries; the fact's stream id,
+    writer, completion time and abort; the earliest issue time of the tokens it was delivered
+    with; for each writer, the lowest watermark of the valid ones among those tokens; and
+    64-bit masks of the readers it was delivered to and of the readers it is due to (as
+    :func:`undelivered` reads them). An event id is a suspect when, read off those, a check
+    *could* fail: not exactly one fact (``duplicate_event_id``, ``phantom_delivery``), an
+    aborted, unfinished or later-completed fact that was delivered, a stream id above some
+    delivering token's watermark, more deliveries than readers given it, or a due reader
+    missing. Each is a necessary condition of its check, so the checks computed on the
+    suspects' rows alone (:func:`events_table`) find exactly what they find on every row.
+    Every expression is a plain column expression (no lambdas), so all of it is compiled.
+
+    Returns:
+        The suspects, materialised; or None when there are more than
+        :data:`TRIAGE_MAX_READERS` readers or :data:`TRIAGE_MAX_WRITERS` writers (the
+        per-event table then holds every event id).
+    """
+    readers = sorted(r[0] for r in ctx.tokens.select("reader").distinct().collect() if r[0] is not None)
+    writers = sorted(r[0] for r in ctx.comps.select("writer").distinct().collect() if r[0] is not None)
+    if len(readers) > TRIAGE_MAX_READERS or len(writers) > TRIAGE_MAX_WRITERS:
+        return None
+    zero, none = F.lit(0).cast("bigint"), F.lit(None).cast("bigint")
+    bit_of = F.try_element_at(_literal_map(readers, [_bit(i) for i in range(len(readers))], "bigint"), F.col("reader"))
+    # Each token: its issue time, validity and, when valid, its watermark for every writer.
+    wm = (watermarks(ctx).groupBy("reader", "stream", "seq")
+          .agg(*[F.max(F.when(F.col("writer") == w, F.col("wm"))).alias(f"_wm{k}") for k, w in enumerate(writers)]))
+    tok = small(ctx.tokens.select("reader", "stream", "seq", "issued", "valid")
+                .join(wm, ["reader", "stream", "seq"], "left"), ctx.token_rows)
+    # A delivery without a token row still counts (for duplicates and the readers given it).
+    d_rows = ctx.deliveries.join(tok, ["reader", "stream", "seq"], "left").select(
+        "stream", F.col("event_id").alias("ev"), F.lit(0).alias("_nf"), none.alias("_sid"),
+        F.lit(None).cast("int").alias("_w"), none.alias("_rel"), F.lit(None).cast("boolean").alias("_ab"),
+        "issued", *[F.when(F.col("valid"), F.col(f"_wm{k}")).alias(f"_wm{k}") for k in range(len(writers))],
+        F.coalesce(bit_of, zero).alias("_got"), none.alias("_due"))
+    # Each completed fact: the readers it may be due to (the necessary condition of undelivered).
+    final, unfiltered, membership = _due_inputs(ctx)
+    finals = small(final.groupBy("stream", "writer").agg(*[
+        F.max(F.when(F.col("reader") == r, F.col("wm"))).alias(f"_f{i}") for i, r in enumerate(readers)]), ctx.token_rows)
+    anyroom = F.broadcast(unfiltered.groupBy("stream").agg(F.bit_or(F.coalesce(bit_of, zero)).alias("_any")))
+    rooms = F.broadcast(membership.groupBy("stream", "room").agg(F.bit_or(F.coalesce(bit_of, zero)).alias("_member")))
+    covering = _or_all([F.when(F.col("sid") <= F.col(f"_f{i}"), F.lit(_bit(i)).cast("bigint")).otherwise(zero)
+                        for i in range(len(readers))])
+    due = F.when(F.col("rel").isNotNull() & ~F.col("aborted"), covering.bitwiseAND(
+        F.coalesce("_any", zero).bitwiseOR(F.coalesce("_member", zero)))).otherwise(zero)
+    f_rows = (ctx.facts.where(F.col("ev").isNotNull())
+              .join(finals, ["stream", "writer"], "left").join(anyroom, "stream", "left")
+              .join(rooms, ["stream", "room"], "left")
+              .select("stream", "ev", F.lit(1).alias("_nf"), F.col("sid").alias("_sid"), F.try_element_at(_literal_map(writers, list(range(len(writers))), "int"),
+                                                        F.col("writer")).alias("_w"),
+                      F.col("rel").alias("_rel"), F.col("aborted").alias("_ab"), none.alias("issued"),
+                      *[none.alias(f"_wm{k}") for k in range(len(writers))], none.alias("_got"), due.alias("_due")))
+    g = f_rows.unionByName(d_rows).groupBy("stream", "ev").agg(
+        F.sum("_nf").alias("nf"), F.sum(1 - F.col("_nf")).alias("nd"), F.max("_sid").alias("sid"),
+        F.max("_w").alias("w"), F.max("_rel").alias("rel"), F.max("_ab").alias("ab"),
+        F.min("issued").alias("first_issued"), *[F.min(f"_wm{k}").alias(f"wm{k}") for k in range(len(writers))],
+        F.coalesce(F.bit_or("_got"), zero).alias("got"), F.coalesce(F.bit_or("_due"), zero).alias("due"))
+    # With exactly one fact, the fact columns above are that fact's own; a null is a false.
+    writer_wm = none
+    for k in range(len(writers)):
+        writer_wm = F.when(F.col("w") == k, F.col(f"wm{k}")).otherwise(writer_wm)
+    late = F.col("rel").isNull() | (F.col("rel") - F.lit(ctx.skew_us) > F.col("first_issued"))
+    parts = [F.col("nf") != 1, (F.col("nd") > 0) & (F.col("ab") | late), F.col("sid") > writer_wm,
+             F.col("nd") > F.bit_count("got"), F.col("due").bitwiseAND(F.bitwise_not(F.col("got"))) != 0]
+    suspect = reduce(lambda a, c: a | c, [F.coalesce(p, F.lit(False)) for p in parts])
+    with sql_conf(ctx.spark, NO_PARTIAL_AGGREGATION):  # nearly every key is distinct
+        return g.where(suspect).select("stream", "ev").transform(materialise)
+
+
+def events_table(ctx: Context) -> tuple[DataFrame, int | None]:
+    """The materialised :func:`by_event` table of the :func:`suspects` (of every event id when
+    there is no triage), planned without partial aggregation.
 
     The grouping's keys are nearly all distinct (a delivered event is one fact and a few
     deliveries), so a pre-shuffle partial aggregation would only copy the rows.
+
+    Returns:
+        The table, and the number of suspect event ids it holds (None: no triage, every one).
     """
+    only = suspects(ctx)
+    n = None
+    if only is not None:
+        n = only.count()
+        only = small(only, n)
     with sql_conf(ctx.spark, NO_PARTIAL_AGGREGATION):
-        return by_event(ctx).transform(materialise)
+        return by_event(ctx, only).transform(materialise), n
 
 
 def _tok(ctx: Context) -> DataFrame:
@@ -213,27 +326,38 @@ def delivered_beyond_token(ctx: Context, e: DataFrame) -> DataFrame:
     return per_delivery(ctx, e, ["delivered_beyond_token"])
 
 
-def _coverage(ctx: Context) -> tuple[DataFrame, DataFrame]:
-    """Small tables saying which readers a completed fact can be due to.
+def _due_inputs(ctx: Context) -> tuple[DataFrame, DataFrame, DataFrame]:
+    """What decides which readers a completed fact can be due to (small tables).
 
     Returns:
-        ``(stream, writer) -> cov``: an array of ``(reader, wm, all)``, one per reader with a
-        valid token in the stream: its final watermark for the writer, and whether some valid
-        token of the reader has a null ``rooms`` (it may be due any room's facts);
-        ``(stream, room) -> members``: the readers whose valid tokens' ``rooms`` ever named the
-        room. A fact is due to a reader only if the covering token's ``rooms`` is null or names
-        the fact's room, so a reader that is neither ``all`` nor a member of the fact's room is
-        never due it (a necessary condition; the exact per-token test runs on what is left).
+        ``stream, writer, reader, wm``: each reader's final watermark for each writer;
+        ``reader, stream``: the readers with a valid token whose ``rooms`` is null (they may be
+        due any room's facts); ``stream, room, reader``: the rooms the readers' valid tokens'
+        ``rooms`` ever named. A fact is due to a reader only if the covering token's ``rooms``
+        is null or names the fact's room, so a reader that is neither unfiltered nor a member
+        of the fact's room is never due it (a necessary condition; the exact per-token test
+        runs on what is left).
     """
     final = ctx.comps.groupBy("stream", "writer", "reader").agg(F.max("eff").alias("wm"))
     lists = ctx.valid.select("reader", "stream", "lid").distinct()
-    unfiltered = lists.where(F.col("lid").isNull()).select("reader", "stream", F.lit(True).alias("all"))
-    cov = (final.join(unfiltered, ["reader", "stream"], "left")
+    unfiltered = lists.where(F.col("lid").isNull()).select("reader", "stream")
+    membership = lists.join(ctx.rooms, ["reader", "stream", "lid"]).select("stream", "room", "reader")
+    return final, unfiltered, membership
+
+
+def _coverage(ctx: Context) -> tuple[DataFrame, DataFrame]:
+    """The :func:`_due_inputs` per (stream, writer) and per (stream, room).
+
+    Returns:
+        ``(stream, writer) -> cov``: an array of ``(reader, wm, all)``, one per reader with a
+        valid token in the stream (``all``: it is unfiltered); ``(stream, room) -> members``.
+    """
+    final, unfiltered, membership = _due_inputs(ctx)
+    cov = (final.join(unfiltered.withColumn("all", F.lit(True)), ["reader", "stream"], "left")
            .groupBy("stream", "writer")
            .agg(F.collect_list(F.struct("reader", "wm", F.coalesce("all", F.lit(False)).alias("all")))
                 .alias("cov")))
-    members = (lists.join(ctx.rooms, ["reader", "stream", "lid"])
-               .groupBy("stream", "room").agg(F.collect_set("reader").alias("members")))
+    members = membership.groupBy("stream", "room").agg(F.collect_set("reader").alias("members"))
     return cov, members
 
 

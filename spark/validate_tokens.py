@@ -203,7 +203,7 @@ def stages(ctx: Context, wanted: set[str]) -> Iterator[tuple[str, dict[str, Data
     """
     for st in plan_stages(ctx, wanted):
         if st.needs_events and ctx.events is None:
-            ctx.events = checks_delivery.events_table(ctx)
+            ctx.events, _ = checks_delivery.events_table(ctx)
         dfs, pending = st.build()
         yield st.name, dfs, pending
 
@@ -233,9 +233,11 @@ def run_checks(spark: SparkSession, args: argparse.Namespace, summary: dict, exa
         t = time.monotonic()
         spark.sparkContext.setJobDescription("validate_tokens: per-event table")
         progress("per-event table: building")
-        ctx.events = checks_delivery.events_table(ctx)
+        ctx.events, suspects = checks_delivery.events_table(ctx)
         summary["timings"]["events_table"] = round(time.monotonic() - t, 3)
-        progress(f"per-event table: built in {summary['timings']['events_table']:.1f}s")
+        summary["events_table"] = {"triage": suspects is not None, "suspect_event_ids": suspects}
+        what = "every event id" if suspects is None else f"{suspects} suspect event id(s)"
+        progress(f"per-event table: {what}, built in {summary['timings']['events_table']:.1f}s")
 
     def run_stage(st: Stage) -> None:
         t = time.monotonic()

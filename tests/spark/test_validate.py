@@ -158,6 +158,33 @@ class InjectedCorpusTests(TestCase):
         self.assertEqual(one["pending"], s["pending"])
         self.assertIn("events_table", s["timings"])
 
+    def test_triage_changes_no_result(self):
+        """The per-event table built for every event id (no triage) gives exactly the rows of the triaged run.
+
+        The triaged run examines only the suspect event ids (far fewer than the facts); with the
+        triage off (as with more readers than it handles) every event id gets a row, and every
+        violation row, explanation included, and every count is the same.
+        """
+        from spark import checks_delivery
+
+        corpus, _, rows, s, _ = _run("jsonl")
+        self.assertTrue(s["events_table"]["triage"])
+        examined = s["events_table"]["suspect_event_ids"]
+        self.assertGreater(examined, 0)
+        self.assertLess(examined, len(corpus.facts) // 10)
+        self.patch(checks_delivery, "TRIAGE_MAX_READERS", 0)
+        out = os.path.join(_ROOT, "out-no-triage")
+        self.assertEqual(validate(os.path.join(_ROOT, "injected", "jsonl"), out), 1)
+        full = summary(out)
+        self.assertEqual(full["events_table"], {"triage": False, "suspect_event_ids": None})
+
+        def key(r):
+            return tuple(str(r.get(c)) for c in OUTPUT_COLUMNS)
+        self.assertEqual(sorted(map(key, violations(out))), sorted(map(key, rows)))
+        self.assertEqual({c: r["count"] for c, r in full["checks"].items()},
+                         {c: r["count"] for c, r in s["checks"].items()})
+        self.assertEqual(full["pending"], s["pending"])
+
 
 class CleanParquetTests(TestCase):
     """Clean logs in Parquet validate clean."""
