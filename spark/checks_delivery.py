@@ -123,12 +123,19 @@ def suspects(ctx: Context) -> DataFrame | None:
           .agg(*[F.max(F.when(F.col("writer") == w, F.col("wm"))).alias(f"_wm{k}") for k, w in enumerate(writers)]))
     tok = small(ctx.tokens.select("reader", "stream", "seq", "issued", "valid")
                 .join(wm, ["reader", "stream", "seq"], "left"), ctx.token_rows)
+    # Fact rows and delivery rows share their value columns ("slots"): a fact row carries its
+    # stream id, completion, due readers and writer with its abort flag; a delivery row its
+    # token's issue time, its reader's bit and (when valid) the token's watermark per writer.
+    slots = max(4, 2 + len(writers))
+
+    def row(*values: Column) -> list[Column]:
+        return [v.cast("bigint").alias(f"_s{i}") for i, v in enumerate(values)] + \
+            [none.alias(f"_s{i}") for i in range(len(values), slots)]
+
     # A delivery without a token row still counts (for duplicates and the readers given it).
     d_rows = ctx.deliveries.join(tok, ["reader", "stream", "seq"], "left").select(
-        "stream", F.col("event_id").alias("ev"), F.lit(0).alias("_nf"), none.alias("_sid"),
-        F.lit(None).cast("int").alias("_w"), none.alias("_rel"), F.lit(None).cast("boolean").alias("_ab"),
-        "issued", *[F.when(F.col("valid"), F.col(f"_wm{k}")).alias(f"_wm{k}") for k in range(len(writers))],
-        F.coalesce(bit_of, zero).alias("_got"), none.alias("_due"))
+        "stream", F.col("event_id").alias("ev"), F.lit(False).alias("_fact"), *row(F.col("issued"), F.coalesce(bit_of, zero),
+             *[F.when(F.col("valid"), F.col(f"_wm{k}")) for k in range(len(writers))]))
     # Each completed fact: the readers it may be due to (the necessary condition of undelivered).
     final, unfiltered, membership = _due_inputs(ctx)
     finals = small(final.groupBy("stream", "writer").agg(*[
@@ -139,24 +146,32 @@ def suspects(ctx: Context) -> DataFrame | None:
                         for i in range(len(readers))])
     due = F.when(F.col("rel").isNotNull() & ~F.col("aborted"), covering.bitwiseAND(
         F.coalesce("_any", zero).bitwiseOR(F.coalesce("_member", zero)))).otherwise(zero)
+    # The writer's position in `writers` (len(writers) when it has none), times 2, plus the abort flag.
+    writer_abort = (F.coalesce(F.try_element_at(_literal_map(writers, list(range(len(writers))), "int"), F.col("writer")),
+                               F.lit(len(writers))) * 2 + F.col("aborted").cast("int"))
     f_rows = (ctx.facts.where(F.col("ev").isNotNull())
               .join(finals, ["stream", "writer"], "left").join(anyroom, "stream", "left")
               .join(rooms, ["stream", "room"], "left")
-              .select("stream", "ev", F.lit(1).alias("_nf"), F.col("sid").alias("_sid"), F.try_element_at(_literal_map(writers, list(range(len(writers))), "int"),
-                                                        F.col("writer")).alias("_w"),
-                      F.col("rel").alias("_rel"), F.col("aborted").alias("_ab"), none.alias("issued"),
-                      *[none.alias(f"_wm{k}") for k in range(len(writers))], none.alias("_got"), due.alias("_due")))
+              .select("stream", "ev", F.lit(True).alias("_fact"), *row(F.col("sid"), F.col("rel"), due, writer_abort)))
+
+    def fact(i: int) -> Column:
+        return F.when(F.col("_fact"), F.col(f"_s{i}"))
+
+    def delivery(i: int) -> Column:
+        return F.when(~F.col("_fact"), F.col(f"_s{i}"))
+
     g = f_rows.unionByName(d_rows).groupBy("stream", "ev").agg(
-        F.sum("_nf").alias("nf"), F.sum(1 - F.col("_nf")).alias("nd"), F.max("_sid").alias("sid"),
-        F.max("_w").alias("w"), F.max("_rel").alias("rel"), F.max("_ab").alias("ab"),
-        F.min("issued").alias("first_issued"), *[F.min(f"_wm{k}").alias(f"wm{k}") for k in range(len(writers))],
-        F.coalesce(F.bit_or("_got"), zero).alias("got"), F.coalesce(F.bit_or("_due"), zero).alias("due"))
+        F.count_if("_fact").alias("nf"), F.count_if(~F.col("_fact")).alias("nd"),
+        F.max(fact(0)).alias("sid"), F.max(fact(1)).alias("rel"), F.coalesce(F.bit_or(fact(2)), zero).alias("due"),
+        F.max(fact(3)).alias("wa"), F.min(delivery(0)).alias("first_issued"),
+        F.coalesce(F.bit_or(delivery(1)), zero).alias("got"),
+        *[F.min(delivery(2 + k)).alias(f"wm{k}") for k in range(len(writers))])
     # With exactly one fact, the fact columns above are that fact's own; a null is a false.
     writer_wm = none
     for k in range(len(writers)):
-        writer_wm = F.when(F.col("w") == k, F.col(f"wm{k}")).otherwise(writer_wm)
+        writer_wm = F.when(F.floor(F.col("wa") / 2) == k, F.col(f"wm{k}")).otherwise(writer_wm)
     late = F.col("rel").isNull() | (F.col("rel") - F.lit(ctx.skew_us) > F.col("first_issued"))
-    parts = [F.col("nf") != 1, (F.col("nd") > 0) & (F.col("ab") | late), F.col("sid") > writer_wm,
+    parts = [F.col("nf") != 1, (F.col("nd") > 0) & ((F.col("wa") % 2 == 1) | late), F.col("sid") > writer_wm,
              F.col("nd") > F.bit_count("got"), F.col("due").bitwiseAND(F.bitwise_not(F.col("got"))) != 0]
     suspect = reduce(lambda a, c: a | c, [F.coalesce(p, F.lit(False)) for p in parts])
     with sql_conf(ctx.spark, NO_PARTIAL_AGGREGATION):  # nearly every key is distinct

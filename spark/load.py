@@ -105,26 +105,42 @@ def _facts(t: Table) -> tuple[DataFrame, dict]:
         (F.col("kind").isNull() | (F.col("kind") == "fact")).alias("is_fact"),
         corrupt.alias("corrupt"),
     ).where("is_fact OR corrupt")
-    # The input statistics are observed while the facts are materialised (one pass), and only
-    # the columns the checks use are kept.
-    obs = Observation("writer_logs")
-    facts = norm.observe(
-        obs, F.count(F.lit(1)).alias("rows"), _count(F.col("corrupt")).alias("corrupt"),
-        _count(F.col("stream").isNull() & ~F.col("corrupt")).alias("null_stream"),
-        _count(F.col("writer").isNull() & ~F.col("corrupt")).alias("null_writer"),
-        _count(F.col("sid").isNull() & ~F.col("corrupt")).alias("null_sid"),
-        _count(~F.col("res_raw") & ~F.col("corrupt")).alias("null_res"),
-        _count(_bad_time("res_raw", "res") & F.col("res_raw")).alias("bad_res"),
-        _count(F.col("rel_raw") & F.col("rel").isNull()).alias("bad_rel"),
-        _count(~F.col("outcome").isin("ok", "aborted")).alias("bad_outcome"),
-        _count(F.col("rel").isNull() & ~F.col("corrupt")).alias("in_flight"),
-        F.size(F.collect_set("stream")).alias("streams"), F.size(F.collect_set("writer")).alias("writers"),
-        F.max("res").alias("max_res"), F.max("rel").alias("max_rel"),
-    ).where(~F.col("corrupt")).select(
-        "stream", "writer", "sid", "room", "ev", "res", "rel",
-        F.coalesce(F.col("outcome") == "aborted", F.lit(False)).alias("aborted"),
-    ).transform(materialise)
-    s = dict(obs.get)
+    counts = {
+        "rows": F.lit(True), "corrupt": F.col("corrupt"),
+        "null_stream": F.col("stream").isNull() & ~F.col("corrupt"),
+        "null_writer": F.col("writer").isNull() & ~F.col("corrupt"),
+        "null_sid": F.col("sid").isNull() & ~F.col("corrupt"),
+        "null_res": ~F.col("res_raw") & ~F.col("corrupt"),
+        "bad_res": _bad_time("res_raw", "res") & F.col("res_raw"),
+        "bad_rel": F.col("rel_raw") & F.col("rel").isNull(),
+        "bad_outcome": ~F.col("outcome").isin("ok", "aborted"),
+        "in_flight": F.col("rel").isNull() & ~F.col("corrupt"),
+    }
+    maxima = {"max_res": F.col("res"), "max_rel": F.col("rel")}
+    keep = ["stream", "writer", "sid", "room", "ev", "res", "rel",
+            F.coalesce(F.col("outcome") == "aborted", F.lit(False)).alias("aborted")]
+    if t.fmt == "parquet":
+        # Parquet is columnar and typed: every check reads the columns it needs straight from
+        # it, as fast as from materialised rows, so the facts are not materialised. The
+        # statistics come from one aggregation by (stream, writer): its groups are few.
+        groups = norm.groupBy("stream", "writer").agg(
+            *[_count(c).alias(n) for n, c in counts.items()], *[F.max(c).alias(n) for n, c in maxima.items()]
+        ).collect()
+        s = {n: sum(g[n] or 0 for g in groups) for n in counts}
+        s.update({n: max((g[n] for g in groups if g[n] is not None), default=None) for n in maxima})
+        s["streams"] = len({g["stream"] for g in groups if g["stream"] is not None})
+        s["writers"] = len({g["writer"] for g in groups if g["writer"] is not None})
+        facts = norm.where(~F.col("corrupt")).select(*keep)
+    else:
+        # JSON Lines are parsed once: the statistics are observed while the facts are
+        # materialised (one pass), and only the columns the checks use are kept.
+        obs = Observation("writer_logs")
+        facts = norm.observe(
+            obs, *[_count(c).alias(n) for n, c in counts.items()],
+            F.size(F.collect_set("stream")).alias("streams"), F.size(F.collect_set("writer")).alias("writers"),
+            *[F.max(c).alias(n) for n, c in maxima.items()],
+        ).where(~F.col("corrupt")).select(*keep).transform(materialise)
+        s = dict(obs.get)
     problems = _problems(t.path, s, {
         "corrupt": f"unreadable record(s){_corrupt_example(t) if s['corrupt'] else ''}",
         "null_stream": "fact(s) without stream", "null_writer": "fact(s) without writer",
