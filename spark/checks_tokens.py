@@ -1,7 +1,7 @@
 """Tokens against writers: gap_skip, future_position, non_monotonic.
 
 ``gap_skip`` first finds, with a bucketed as-of maximum over all readers' token components
-(:func:`spark.common.asof_max`), the facts that *some* token covered before they completed;
+(:func:`spark.common.asof_reaches`), the facts that *some* token covered before they completed;
 only those few facts are then matched per reader with the reader's "record" tokens (tokens
 whose effective position exceeds all earlier ones), which makes "the earliest token covering
 the fact" an ordered as-of lookup instead of a search.
@@ -18,6 +18,7 @@ from spark.common import (
     Context,
     Sql,
     asof_max,
+    asof_reaches,
     finish,
     lit,
     sentence,
@@ -63,9 +64,8 @@ def gap_skip(ctx: Context) -> DataFrame:
     events = ctx.comps.select("stream", "writer", F.col("issued").alias("t"), F.col("eff").alias("v"))
     due = F.when(F.col("rel").isNull(), F.lit(INF)).otherwise(F.col("rel") - F.lit(ctx.skew_us))
     queries = ctx.facts.select("stream", "writer", due.alias("t"), "sid", "ev", "room", "res", "rel")
-    cand = (asof_max(events, queries, ["stream", "writer"], ctx.bucket_us, inclusive=False,
-                     few="events", few_rows=ctx.token_rows * max(1, ctx.writers))
-            .where(F.col("best") >= F.col("sid")).drop("best"))
+    cand = asof_reaches(events, queries, ["stream", "writer"], ctx.bucket_us, inclusive=False,
+                        at_least="sid", few_rows=ctx.token_rows * max(1, ctx.writers))
     readers = ctx.valid.select("stream", "reader").distinct()
     pairs = cand.join(F.broadcast(readers), "stream")
     # Every writer's records (a small table), so that the candidates are computed once.
@@ -92,8 +92,7 @@ def future_position(ctx: Context) -> DataFrame:
     first = F.lit(ctx.first_id - 1).cast("bigint")
     base = lowest.select("stream", F.least(first, F.when(F.col("m") > F.lit(-INF), F.col("m") - 1)
                                            .otherwise(F.col("m"))).alias("base"))
-    df = (asof_max(events, queries, ["stream"], ctx.bucket_us, inclusive=True, few="queries",
-                   few_rows=ctx.token_rows)
+    df = (asof_max(events, queries, ["stream"], ctx.bucket_us, inclusive=True, few_rows=ctx.token_rows)
           .join(F.broadcast(base), "stream", "left")
           .withColumn("g", F.greatest("best", F.coalesce("base", first)))
           .where(F.col("claim") > F.col("g")))

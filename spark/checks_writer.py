@@ -12,7 +12,6 @@ from pyspark.sql import functions as F
 from spark.checks_delivery import by_event
 from spark.common import (
     INF,
-    NO_PARTIAL_AGGREGATION,
     Context,
     finish,
     lit,
@@ -20,7 +19,6 @@ from spark.common import (
     one_row_per_failed_check,
     sentence,
     small,
-    sql_conf,
     ts,
     txt,
     when,
@@ -30,18 +28,23 @@ from spark.common import (
 def duplicate_stream_id(ctx: Context) -> DataFrame:
     """Stream ids used by more than one fact of a stream.
 
-    The repeated (stream, stream id) keys are found by a hash aggregation of those two columns
-    alone (without the pre-shuffle partial step: nearly every key is distinct) and materialised;
-    the facts carrying them are then picked out with an equi-join (broadcast while they are few)
-    and aggregated for the explanation.
+    Stream ids are cut into blocks of 64 (``sid div 64``); a block's facts OR together the bit
+    ``pmod(sid, 64)`` of their ids, and a block holds a repeated id exactly when it has more
+    facts than bits set. That aggregation has ~64 facts per key, so most of it happens before
+    the shuffle. Only the facts of such blocks (few, materialised) are then grouped by stream
+    id, with what the explanation needs.
     """
-    with sql_conf(ctx.spark, NO_PARTIAL_AGGREGATION):
-        keys = (ctx.facts.groupBy("stream", "sid").count().where("count > 1").select("stream", "sid")
-                .transform(materialise))
-    repeated = ctx.facts.join(small(keys, keys.count()), ["stream", "sid"], "left_semi")
-    df = (repeated.groupBy("stream", "sid")
+    block = F.expr("sid div 64")
+    bit = F.call_function("shiftleft", F.lit(1).cast("bigint"), F.pmod("sid", F.lit(64)).cast("int"))
+    blocks = (ctx.facts.select("stream", block.alias("_b"), bit.alias("_bit")).groupBy("stream", "_b")
+              .agg(F.count(F.lit(1)).alias("n"), F.bit_or("_bit").alias("bits"))
+              .where(F.col("n") > F.bit_count("bits")).select("stream", "_b").transform(materialise))
+    in_blocks = (ctx.facts.withColumn("_b", block).join(small(blocks, blocks.count()), ["stream", "_b"], "left_semi")
+                 .select("stream", "sid", "res", "writer", "ev").transform(materialise))
+    df = (in_blocks.groupBy("stream", "sid")
           .agg(F.count(F.lit(1)).alias("n"), F.min(F.struct("res", "writer", "ev")).alias("a"),
-               F.max(F.struct("res", "writer", "ev")).alias("b")))
+               F.max(F.struct("res", "writer", "ev")).alias("b"))
+          .where(F.col("n") > 1))
     return finish(df, "duplicate_stream_id", stream="stream", stream_id="sid", writer="a.writer",
                   event_id="a.ev", reserved_at="a.res", explanation=sentence(
                       txt("n"), " facts of stream ", txt("stream"), " use stream id ", txt("sid"),

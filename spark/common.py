@@ -223,66 +223,88 @@ def _running(ev: DataFrame, q: DataFrame, keys: list[str], inclusive: bool) -> D
 
 
 def asof_max(events: DataFrame, queries: DataFrame, keys: list[str], bucket_us: int,
-             inclusive: bool, few: str, few_rows: int) -> DataFrame:
-    """For each query, the max ``v`` of the events with the same keys and an earlier time.
+             inclusive: bool, few_rows: int) -> DataFrame:
+    """For each of a few queries, the max ``v`` of the events with the same keys and an earlier time.
 
     ``events`` has ``keys, t, v``; ``queries`` has ``keys, t`` (``t`` may be :data:`INF`) and any
     other columns. An event counts when ``event.t < query.t`` (``<=`` when ``inclusive``).
 
-    Time is cut into buckets (integer division, so the bucket grows with the time); the maximum
-    over a query's earlier buckets comes from the per-bucket maxima of the events, and a window
-    over the rows of one (key, bucket), events and queries sorted by time together, gives the
-    maximum within the query's own bucket. Which rows that window needs depends on the side that
-    is small (``few``, with ``few_rows`` rows; its buckets are broadcast up to
-    :data:`BROADCAST_ROWS`):
-
-    * ``"queries"`` (tokens against facts): only the events of buckets that hold a query enter
-      the window; the running maximum of the per-bucket maxima is joined to the few queries.
-    * ``"events"`` (token components against facts): only the queries of buckets that hold an
-      event enter the window; every query reads the maximum over its earlier buckets from a
-      broadcast array per key (one element per bucket, by bucket number), so the many queries
-      are never shuffled. The buckets are at least ``bucket_us`` wide, and wider when the events
-      span more than :data:`MAX_BUCKETS` of them.
-
-    The bucket width changes the cost, never the answer. Every step is a scan, an aggregation,
-    a sort or an equi-join: near-linear, and parallel across keys and buckets.
+    Time is cut into buckets of ``bucket_us`` (integer division, so the bucket grows with the
+    time); the maximum over a query's earlier buckets is the running maximum of the events'
+    per-bucket maxima, and a window over the rows of one (key, bucket), events and queries
+    sorted by time together, gives the maximum within the query's own bucket. Only the events
+    of buckets that hold a query enter that window (the queries' buckets, ``few_rows`` of
+    them at most, are broadcast up to :data:`BROADCAST_ROWS`). The bucket width changes the
+    cost, never the answer. Every step is a scan, an aggregation, a sort or an equi-join:
+    near-linear, and parallel across keys and buckets.
 
     Returns:
         ``queries`` with an added column ``best`` (null when no event qualifies).
     """
-    ev = events.select(*keys, "t", "v")
-    width = max(1, bucket_us)
-    if few == "events":
-        spans = ev.groupBy(*keys).agg(F.min("t").alias("lo"), F.max("t").alias("hi")).collect()
-        width = max(width, -(-sum(r["hi"] - r["lo"] for r in spans) // MAX_BUCKETS))
-    bucket = F.expr(f"t div {width}")  # integer division: monotone in t, exact even for INF
-    ev = ev.withColumn("b", bucket)
+    bucket = F.expr(f"t div {max(1, bucket_us)}")  # integer division: monotone in t, exact even for INF
+    ev = events.select(*keys, "t", "v").withColumn("b", bucket)
     q = queries.withColumn("b", bucket)
     qcols = [c for c in q.columns if c not in (*keys, "t", "b")]
     per_bucket = ev.groupBy(*keys, "b").agg(F.max("v").alias("bmax"))
     before = Window.partitionBy(*keys).orderBy("b").rowsBetween(Window.unboundedPreceding, -1)
-    if few == "queries":
-        q_buckets = q.select(*keys, "b").distinct()
-        table = (per_bucket.unionByName(q_buckets.withColumn("bmax", F.lit(None).cast("bigint")))
-                 .groupBy(*keys, "b").agg(F.max("bmax").alias("bmax")))
-        prefix = table.select(*keys, "b", F.max("bmax").over(before).alias("prefix"))
-        inside = _running(ev.join(small(q_buckets, few_rows), [*keys, "b"], "left_semi"), q, keys, inclusive)
-        return (inside.join(prefix, [*keys, "b"], "left")
-                .select(*keys, "t", *qcols, F.greatest("prefix", "inb").alias("best")))
-    # Dense prefix maxima: element i of a key's array is the max over its buckets before b0 + i.
+    q_buckets = q.select(*keys, "b").distinct()
+    table = (per_bucket.unionByName(q_buckets.withColumn("bmax", F.lit(None).cast("bigint")))
+             .groupBy(*keys, "b").agg(F.max("bmax").alias("bmax")))
+    prefix = table.select(*keys, "b", F.max("bmax").over(before).alias("prefix"))
+    inside = _running(ev.join(small(q_buckets, few_rows), [*keys, "b"], "left_semi"), q, keys, inclusive)
+    return (inside.join(prefix, [*keys, "b"], "left")
+            .select(*keys, "t", *qcols, F.greatest("prefix", "inb").alias("best")))
+
+
+def asof_reaches(events: DataFrame, queries: DataFrame, keys: list[str], bucket_us: int,
+                 inclusive: bool, at_least: str, few_rows: int) -> DataFrame:
+    """The queries for which the max ``v`` of the few events with the same keys and an earlier
+    time is at least the query's column ``at_least``.
+
+    ``events`` (``keys, t, v``; ``few_rows`` rows at most) and ``queries`` (``keys, t`` and any
+    other columns) are as in :func:`asof_max`. Time is cut into buckets at least ``bucket_us``
+    wide (wider when the events span more than :data:`MAX_BUCKETS` of them). For each key, a
+    broadcast array holds the running maximum of the events' per-bucket maxima, one element
+    per bucket, so one scan of the many queries reads, for each, the maximum over the buckets
+    before its own (a lower bound of its answer) and over those up to its own (an upper
+    bound). A query whose upper bound is below ``at_least`` is dropped there, and one whose
+    lower bound reaches it is kept; only the rest (few: an event of their own bucket decides)
+    go through a window over the rows of their (key, bucket), events and queries sorted by
+    time together. The queries are never shuffled.
+
+    Returns:
+        The qualifying rows of ``queries``.
+    """
+    ev = events.select(*keys, "t", "v")
+    spans = ev.groupBy(*keys).agg(F.min("t").alias("lo"), F.max("t").alias("hi")).collect()
+    width = max(1, bucket_us, -(-sum(r["hi"] - r["lo"] for r in spans) // MAX_BUCKETS))
+    bucket = F.expr(f"t div {width}")  # integer division: monotone in t, exact even for INF
+    ev = ev.withColumn("b", bucket)
+    per_bucket = ev.groupBy(*keys, "b").agg(F.max("v").alias("bmax"))
+    # Element i of a key's array: the max over its buckets up to b0 + i - 1 (null before any).
     ranges = per_bucket.groupBy(*keys).agg(F.min("b").alias("b0"), F.max("b").alias("b1"),
                                            F.max("bmax").alias("total"))
+    before = Window.partitionBy(*keys).orderBy("b").rowsBetween(Window.unboundedPreceding, -1)
     dense = (ranges.select(*keys, F.explode(F.sequence("b0", "b1")).alias("b"))
              .join(per_bucket, [*keys, "b"], "left")
              .select(*keys, "b", F.max("bmax").over(before).alias("p"))
              .groupBy(*keys).agg(F.sort_array(F.collect_list(F.struct("b", "p"))).alias("_a"))
              .join(ranges, keys)
              .select(*keys, "b0", "b1", "total", F.transform("_a", lambda x: x["p"]).alias("_prefix")))
-    e_buckets = small(per_bucket.select(*keys, "b"), few_rows)
-    inside = _running(ev, q.join(e_buckets, [*keys, "b"], "left_semi"), keys, inclusive)
-    alone = q.join(e_buckets, [*keys, "b"], "left_anti").withColumn("inb", F.lit(None).cast("bigint"))
-    prefix = (F.when(F.col("b") < F.col("b0"), F.lit(None).cast("bigint"))
-              .when(F.col("b") > F.col("b1"), F.col("total"))
-              .otherwise(F.element_at("_prefix", (F.col("b") - F.col("b0") + 1).cast("int"))))
-    return (inside.unionByName(alone.select(*inside.columns)).join(F.broadcast(dense), keys, "left")
-            .select(*keys, "t", *qcols, F.greatest(prefix, F.col("inb")).alias("best")))
+
+    b, b0, b1 = F.col("b"), F.col("b0"), F.col("b1")
+    null = F.lit(None).cast("bigint")
+    # The max over the buckets before b, and up to b (no arithmetic on b: it may be INF's).
+    lower = F.when(b <= b0, null).when(b > b1, F.col("total")).otherwise(
+        F.element_at("_prefix", (b - b0 + 1).cast("int")))
+    upper = F.when(b < b0, null).when(b >= b1, F.col("total")).otherwise(
+        F.element_at("_prefix", (b - b0 + 2).cast("int")))
+
+    qcols = list(queries.columns)
+    bounded = (queries.withColumn("b", bucket).join(F.broadcast(dense), keys, "left")
+               .select(*qcols, "b", lower.alias("_lo"), upper.alias("_hi"))
+               .where(F.col("_hi") >= F.col(at_least)).transform(materialise))
+    sure = bounded.where(F.col("_lo") >= F.col(at_least))
+    open_ = bounded.where(F.col("_lo").isNull() | (F.col("_lo") < F.col(at_least)))
+    decided = _running(ev, open_.drop("_hi"), keys, inclusive).where(F.greatest("_lo", "inb") >= F.col(at_least))
+    return sure.select(*qcols).unionByName(decided.select(*qcols))
