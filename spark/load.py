@@ -50,10 +50,6 @@ class Inputs:
     stats: dict
 
 
-class HashClash(Exception):
-    """Two different rooms lists of one reader have the same 64-bit hash (an internal failure)."""
-
-
 def _count(cond) -> F.Column:
     return F.sum(F.when(cond, 1).otherwise(0))
 
@@ -166,7 +162,9 @@ def _tokens(t: Table) -> tuple[DataFrame, DataFrame, DataFrame, dict, bool]:
         base = base.withColumn("seq", F.row_number().over(w).cast("bigint"))
     # A token's rooms list is replaced by its 64-bit hash ``lid``; the distinct lists are kept
     # once, as (reader, stream, lid, room) rows: lists of thousands of rooms repeated on every
-    # token would otherwise be carried through every token computation.
+    # token would otherwise be carried through every token computation. Two different lists
+    # of one reader with one hash (for n distinct lists, a chance of about n^2 / 2^65) would
+    # be taken for one.
     lid = F.when(F.col("rooms").isNotNull(), F.xxhash64("rooms"))
     obs = Observation("token_logs")
     tokens = base.withColumn("lid", lid).observe(
@@ -199,11 +197,18 @@ def _tokens(t: Table) -> tuple[DataFrame, DataFrame, DataFrame, dict, bool]:
                   .where(F.col("event_id").isNotNull()))
     if t.fmt != "parquet":
         deliveries = deliveries.transform(materialise)
-    lists = (base.where(F.col("rooms").isNotNull()).select("reader", "stream", lid.alias("lid"), "rooms")
-             .distinct().transform(materialise))
-    clash = lists.groupBy("reader", "stream", "lid").count().where("count > 1").limit(1).collect()
-    if clash:  # two different lists with one 64-bit hash: never silently merge them
-        raise HashClash(f"rooms lists of reader {clash[0]['reader']} share the hash {clash[0]['lid']}")
+    # Each distinct list is read from one token row that carries it (the first by seq): the
+    # list ids and those rows come from the materialised tokens, and only the joined rows'
+    # lists are hashed again (to pass over another row with the same seq).
+    firsts = tokens.where(F.col("lid").isNotNull()).groupBy("reader", "stream", "lid").agg(F.min("seq").alias("seq"))
+    lists = (base.join(F.broadcast(firsts), ["reader", "stream", "seq"])
+             .where(F.xxhash64("rooms") == F.col("lid")).select("reader", "stream", "lid", "rooms")
+             .dropDuplicates(["reader", "stream", "lid"]).transform(materialise))
+    missing = firsts.select("reader", "stream", "lid").join(lists, ["reader", "stream", "lid"], "left_anti")
+    if missing.limit(1).count():  # only when rows tie without a seq: find those lists by hashing every row
+        lists = lists.unionByName(
+            base.where(F.col("rooms").isNotNull()).withColumn("lid", lid).join(F.broadcast(missing), ["reader", "stream", "lid"])
+            .select("reader", "stream", "lid", "rooms").dropDuplicates(["reader", "stream", "lid"]))
     rooms = (lists.select("reader", "stream", "lid", F.explode("rooms").alias("room")).distinct()
              .transform(materialise))
     return tokens, deliveries, rooms, s, has_seq
@@ -231,7 +236,7 @@ def load(spark: SparkSession, logs: str) -> Inputs:
             facts, fstats = writer_side.result()
         if token_error is not None:
             raise token_error
-    except (InputError, HashClash):
+    except InputError:
         raise
     except Exception as e:  # unreadable files surface as Spark errors during the first pass
         raise InputError(f"cannot read the input under {logs}: {first_line(e)}") from e

@@ -175,3 +175,48 @@ class AnsiOverflowTests(TestCase):
         expected = reference.check(WRITERS[:1], tokens, INSTANCES)
         self.assertEqual({k for k in expected.keys() if k[0] == "malformed_token"},
                          {("malformed_token", "events", "r", i) for i in range(2, len(texts) + 2)})
+
+
+class RoomsListTests(TestCase):
+    """Each distinct rooms list of a reader is loaded once, under the id its tokens carry."""
+
+    def _load(self, tokens: list[dict]):
+        from spark.load import load
+
+        logs = self.mktemp()
+        write(logs, "writer_logs", WRITERS)
+        write(logs, "token_logs", tokens)
+        write(logs, "instance_map", INSTANCES)
+        inputs = load(spark(), logs)
+        lists: dict = {}
+        for r in inputs.rooms.collect():
+            lists.setdefault((r["reader"], r["lid"]), set()).add(r["room"])
+        by_token = {(r["reader"], r["token"], r["issued"]): r["lid"] for r in inputs.tokens.collect()}
+        return lists, by_token
+
+    def test_every_list_under_its_tokens_id(self):
+        """Three tokens carrying two lists (one repeated, the later one first in seq order) give two lists."""
+        rows = [dict(TOKENS[0], seq=1, token="s1", rooms=["!b", "!c"]),
+                dict(TOKENS[0], seq=2, token="s2", rooms=["!a"]),
+                dict(TOKENS[0], seq=3, token="s3", rooms=["!b", "!c"]),
+                dict(TOKENS[0], seq=4, token="s4")]
+        lists, by_token = self._load(rows)
+        self.assertEqual(sorted(map(sorted, lists.values())), [["!a"], ["!b", "!c"]])
+        self.assertEqual(lists[("r", by_token[("r", "s1", T + 500_000)])], {"!b", "!c"})
+        self.assertEqual(lists[("r", by_token[("r", "s2", T + 500_000)])], {"!a"})
+        self.assertEqual(by_token[("r", "s1", T + 500_000)], by_token[("r", "s3", T + 500_000)])
+        self.assertIsNone(by_token[("r", "s4", T + 500_000)])
+
+    def test_tied_rows_without_seq(self):
+        """Without seq, two rows alike but for their lists (so their derived order is a tie) keep both lists."""
+        rows = [{k: v for k, v in dict(TOKENS[0], rooms=rooms).items() if k != "seq"}
+                for rooms in (["!x"], ["!y", "!z"])]
+        lists, _ = self._load(rows)
+        self.assertEqual(sorted(map(sorted, lists.values())), [["!x"], ["!y", "!z"]])
+
+    def test_rows_sharing_a_seq(self):
+        """Two rows with one seq and different lists keep both lists, each under its own id."""
+        rows = [dict(TOKENS[0], seq=1, token="s1", rooms=["!p"]), dict(TOKENS[0], seq=1, token="s2", rooms=["!q"])]
+        lists, by_token = self._load(rows)
+        self.assertEqual(lists[("r", by_token[("r", "s1", T + 500_000)])], {"!p"})
+        self.assertEqual(lists[("r", by_token[("r", "s2", T + 500_000)])], {"!q"})
