@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from functools import reduce
 
-from pyspark.sql import Column, DataFrame, Window
+from pyspark.sql import Column, DataFrame, Observation, Window
 from pyspark.sql import functions as F
 
 from spark.checks_syntax import chain_order, eff_of, parse_tokens, with_chain_breaks, writer_id
@@ -91,7 +91,7 @@ def _or_all(cols: list[Column]) -> Column:
     return reduce(lambda a, c: a.bitwiseOR(c), cols, F.lit(0).cast("bigint"))
 
 
-def suspects(ctx: Context) -> DataFrame | None:
+def suspects(ctx: Context) -> tuple[DataFrame, int] | None:
     """The ``stream, ev`` keys that could hold a violation of a check reading the per-event table.
 
     One hash aggregation of every fact and delivery by (stream, event id), with fixed-width
@@ -107,8 +107,11 @@ def suspects(ctx: Context) -> DataFrame | None:
     suspects' rows alone (:func:`events_table`) find exactly what they find on every row.
     Every expression is a plain column expression (no lambdas), so all of it is compiled.
 
+    The same pass counts the (reader, completed fact) pairs above the readers' final
+    watermarks (the pending count of :func:`undelivered`).
+
     Returns:
-        The suspects, materialised; or None when there are more than
+        The suspects, materialised, and the pending count; or None when there are more than
         :data:`TRIAGE_MAX_READERS` readers or :data:`TRIAGE_MAX_WRITERS` writers (the
         per-event table then holds every event id).
     """
@@ -144,14 +147,19 @@ def suspects(ctx: Context) -> DataFrame | None:
     rooms = F.broadcast(membership.groupBy("stream", "room").agg(F.bit_or(F.coalesce(bit_of, zero)).alias("_member")))
     covering = _or_all([F.when(F.col("sid") <= F.col(f"_f{i}"), F.lit(_bit(i)).cast("bigint")).otherwise(zero)
                         for i in range(len(readers))])
-    due = F.when(F.col("rel").isNotNull() & ~F.col("aborted"), covering.bitwiseAND(
+    done = F.col("rel").isNotNull() & ~F.col("aborted")
+    due = F.when(done, covering.bitwiseAND(
         F.coalesce("_any", zero).bitwiseOR(F.coalesce("_member", zero)))).otherwise(zero)
     # The writer's position in `writers` (len(writers) when it has none), times 2, plus the abort flag.
     writer_abort = (F.coalesce(F.try_element_at(_literal_map(writers, list(range(len(writers))), "int"), F.col("writer")),
                                F.lit(len(writers))) * 2 + F.col("aborted").cast("int"))
+    above = reduce(lambda a, c: a + c, [F.when(F.col("sid") > F.col(f"_f{i}"), 1).otherwise(0) for i in range(len(readers))],
+                   F.lit(0))
+    pending = Observation("pending above the readers' watermarks")
     f_rows = (ctx.facts.where(F.col("ev").isNotNull())
               .join(finals, ["stream", "writer"], "left").join(anyroom, "stream", "left")
               .join(rooms, ["stream", "room"], "left")
+              .observe(pending, F.coalesce(F.sum(F.when(done, above)), F.lit(0)).cast("bigint").alias("n"))
               .select("stream", "ev", F.lit(True).alias("_fact"), *row(F.col("sid"), F.col("rel"), due, writer_abort)))
 
     def fact(i: int) -> Column:
@@ -175,10 +183,11 @@ def suspects(ctx: Context) -> DataFrame | None:
              F.col("nd") > F.bit_count("got"), F.col("due").bitwiseAND(F.bitwise_not(F.col("got"))) != 0]
     suspect = reduce(lambda a, c: a | c, [F.coalesce(p, F.lit(False)) for p in parts])
     with sql_conf(ctx.spark, NO_PARTIAL_AGGREGATION):  # nearly every key is distinct
-        return g.where(suspect).select("stream", "ev").transform(materialise)
+        keys = g.where(suspect).select("stream", "ev").transform(materialise)
+    return keys, pending.get["n"]
 
 
-def events_table(ctx: Context) -> tuple[DataFrame, int | None]:
+def events_table(ctx: Context) -> tuple[DataFrame, int | None, int | None]:
     """The materialised :func:`by_event` table of the :func:`suspects` (of every event id when
     there is no triage), planned without partial aggregation.
 
@@ -186,15 +195,17 @@ def events_table(ctx: Context) -> tuple[DataFrame, int | None]:
     deliveries), so a pre-shuffle partial aggregation would only copy the rows.
 
     Returns:
-        The table, and the number of suspect event ids it holds (None: no triage, every one).
+        The table; the number of suspect event ids it holds and the triage's pending count
+        (both None without a triage).
     """
-    only = suspects(ctx)
-    n = None
-    if only is not None:
+    triage = suspects(ctx)
+    only, n, pending = None, None, None
+    if triage is not None:
+        only, pending = triage
         n = only.count()
         only = small(only, n)
     with sql_conf(ctx.spark, NO_PARTIAL_AGGREGATION):
-        return by_event(ctx, only).transform(materialise), n
+        return by_event(ctx, only).transform(materialise), n, pending
 
 
 def _tok(ctx: Context) -> DataFrame:
@@ -390,8 +401,11 @@ def undelivered(ctx: Context, e: DataFrame) -> tuple[DataFrame, DataFrame]:
     """
     cov, members = _coverage(ctx)
     done = ctx.facts.where(F.col("ev").isNotNull() & F.col("rel").isNotNull() & ~F.col("aborted"))
-    pending = done.join(F.broadcast(cov), ["stream", "writer"]).agg(F.coalesce(
-        F.sum(F.size(F.filter("cov", lambda x: x["wm"] < F.col("sid")))), F.lit(0)).cast("bigint").alias("pending"))
+    if ctx.pending_above is not None:  # counted by the triage
+        pending = ctx.spark.createDataFrame([(ctx.pending_above,)], "pending bigint")
+    else:
+        pending = done.join(F.broadcast(cov), ["stream", "writer"]).agg(F.coalesce(
+            F.sum(F.size(F.filter("cov", lambda x: x["wm"] < F.col("sid")))), F.lit(0)).cast("bigint").alias("pending"))
     facts = (e.where(F.col("fs").isNotNull())
              .select("stream", "ev", "d", F.explode(F.filter(
                  "fs", lambda f: f["rel"].isNotNull() & ~f["aborted"])).alias("f"))

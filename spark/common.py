@@ -85,6 +85,8 @@ class Context:
         bucket_us: width of the as-of time buckets, µs.
         events: the materialised per-event table (:func:`spark.checks_delivery.by_event`), once
             a stage needs it.
+        pending_above: the number of (reader, completed fact) pairs above the readers' final
+            watermarks, when the triage that builds ``events`` counted them (else None).
     """
 
     spark: SparkSession
@@ -102,6 +104,7 @@ class Context:
     unresolved_before: int
     bucket_us: int
     events: DataFrame | None = None
+    pending_above: int | None = None
 
 
 class Sql(str):

@@ -203,7 +203,7 @@ def stages(ctx: Context, wanted: set[str]) -> Iterator[tuple[str, dict[str, Data
     """
     for st in plan_stages(ctx, wanted):
         if st.needs_events and ctx.events is None:
-            ctx.events, _ = checks_delivery.events_table(ctx)
+            ctx.events, _, ctx.pending_above = checks_delivery.events_table(ctx)
         dfs, pending = st.build()
         yield st.name, dfs, pending
 
@@ -233,7 +233,7 @@ def run_checks(spark: SparkSession, args: argparse.Namespace, summary: dict, exa
         t = time.monotonic()
         spark.sparkContext.setJobDescription("validate_tokens: per-event table")
         progress("per-event table: building")
-        ctx.events, suspects = checks_delivery.events_table(ctx)
+        ctx.events, suspects, ctx.pending_above = checks_delivery.events_table(ctx)
         summary["timings"]["events_table"] = round(time.monotonic() - t, 3)
         summary["events_table"] = {"triage": suspects is not None, "suspect_event_ids": suspects}
         what = "every event id" if suspects is None else f"{suspects} suspect event id(s)"
