@@ -1,7 +1,9 @@
 """Delivery checks: phantom, aborted, premature, duplicate, beyond the token, and undelivered.
 
 All of them start from one table with a row per (stream, event id) (:func:`by_event`): the facts
-carrying the event id and the deliveries of it, gathered together with one shuffle. A delivered
+carrying the event id and the deliveries of it, gathered together with one shuffle. The table
+holds only the event ids a fixed-width triage aggregation of every fact and delivery finds
+suspect (:func:`suspects`), which is where every violation of these checks lies. A delivered
 event id is matched to the fact of its stream with that event id (the one with the lowest
 stream id if several). A reader's watermark ``WM(j, W)`` is the highest effective position for
 W among its valid tokens up to seq j: a running maximum over the token components.

@@ -4,13 +4,13 @@
 flight). ``tokens``: ``reader, stream, seq, token, issued, since, issued_by, lid`` (``lid``: the
 hash of the row's ``rooms`` list, null when there is none). ``deliveries``: ``reader, stream,
 seq, pos, event_id``. ``rooms``: ``reader, stream, lid, room``, one row per room of each distinct
-rooms list. They are materialised, so the input is parsed once however many checks read it:
-*locally checkpointed*, computed once into the executors' block stores with their lineage cut,
-which also keeps the query plans of the checks small (planning deep plans costs seconds per
-query). The input statistics are observed during that same pass. The deliveries are the
-exception when the token log is Parquet: only the per-event table reads them, and reading the
-columns it needs from Parquet there costs less than keeping 13M rows (at 10M facts) in the block
-stores.
+rooms list. The tokens and the rooms lists are materialised (*locally checkpointed*: computed
+once into the executors' block stores with their lineage cut, which also keeps the query plans
+of the checks small); so are the facts and the deliveries of JSON Lines logs, which are parsed
+once, with the input statistics observed during that pass. From Parquet, the facts and the
+deliveries are read by each check, only the columns it needs, which costs no more than reading
+materialised rows and keeps tens of millions of rows out of the block stores; the facts'
+statistics come from one aggregation by (stream, writer).
 """
 
 from __future__ import annotations
