@@ -124,8 +124,12 @@ def scrape_metrics(port: int, timeout: float = 5.0) -> dict[str, float]:
 def read_jsonl(path: str) -> list[dict]:
     if not os.path.exists(path):
         return []
+    # One read, then split: iterating a file that is still being appended to could
+    # return a partly written last line and then, once the writer finishes it, its
+    # remainder as a line of its own. Only whole lines (ending in a newline) count.
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.endswith("\n")]
+        text = f.read()
+    return [json.loads(line) for line in text.split("\n")[:-1] if line]
 
 
 class Cluster:
