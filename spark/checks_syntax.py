@@ -64,10 +64,12 @@ def writer_id(instances: dict[int, str], writer: Column) -> Column:
     return F.try_element_at(id_map, writer)
 
 
-def components(valid: DataFrame, facts: DataFrame, instances: dict[int, str]) -> DataFrame:
-    """One row per (valid token, writer with facts in the token's stream) with its ``eff``."""
-    writers = facts.select("stream", "writer").distinct()
-    writers = writers.withColumn("wid", writer_id(instances, F.col("writer")))
+def components(valid: DataFrame, writers: DataFrame, instances: dict[int, str]) -> DataFrame:
+    """One row per (valid token, writer with facts in the token's stream) with its ``eff``.
+
+    ``writers`` has a row per (stream, writer) with facts (:attr:`spark.load.Inputs.writers`).
+    """
+    writers = writers.select("stream", "writer").withColumn("wid", writer_id(instances, F.col("writer")))
     return (valid.join(F.broadcast(writers), "stream")
             .select("reader", "stream", "seq", "token", "issued", "writer", "wid",
                     eff_of(F.col("wid")).alias("eff")))

@@ -88,7 +88,7 @@ def future_position(ctx: Context) -> DataFrame:
     events = ctx.facts.select("stream", F.col("res").alias("t"), F.col("sid").alias("v"))
     queries = ctx.valid.select("stream", F.col("issued").alias("t"), "reader", "seq", "token",
                                "min", "comps", "claim")
-    lowest = ctx.facts.groupBy("stream").agg(F.min("sid").alias("m"))
+    lowest = ctx.writer_sids.groupBy("stream").agg(F.min("min_sid").alias("m"))
     first = F.lit(ctx.first_id - 1).cast("bigint")
     base = lowest.select("stream", F.least(first, F.when(F.col("m") > F.lit(-INF), F.col("m") - 1)
                                            .otherwise(F.col("m"))).alias("base"))

@@ -76,6 +76,8 @@ class Context:
         deliveries: delivered event ids.
         rooms: the tokens' rooms lists, ``reader, stream, lid, room`` (tokens carry ``lid``).
         comps: one row per (valid token, writer of the token's stream): ``eff``.
+        writer_sids: ``stream, writer, min_sid``: the writers of each stream, with their lowest
+            stream id.
         instances: ``instance_id -> instance_name``.
         token_rows: the number of token rows (decides which token tables are broadcast).
         writers: the number of writers.
@@ -96,6 +98,7 @@ class Context:
     deliveries: DataFrame
     rooms: DataFrame
     comps: DataFrame
+    writer_sids: DataFrame
     instances: dict[int, str]
     token_rows: int
     writers: int

@@ -10,7 +10,8 @@ of the checks small); so are the facts and the deliveries of JSON Lines logs, wh
 once, with the input statistics observed during that pass. From Parquet, the facts and the
 deliveries are read by each check, only the columns it needs, which costs no more than reading
 materialised rows and keeps tens of millions of rows out of the block stores; the facts'
-statistics come from one aggregation by (stream, writer).
+statistics come from one aggregation by (stream, writer), whose groups also give the small
+table of each stream's writers with their lowest stream id (``Inputs.writer_sids``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class Inputs:
         has_seq: whether the token log carries ``seq`` (else it was derived from ``issued_at``).
         end_of_log: the latest timestamp of the input, µs.
         stats: input counts for the summary.
+        writer_sids: ``stream, writer, min_sid``: each writer of each stream with its lowest stream
+            id (a small materialised table).
     """
 
     facts: DataFrame
@@ -48,6 +51,7 @@ class Inputs:
     has_seq: bool
     end_of_log: int
     stats: dict
+    writer_sids: DataFrame
 
 
 def _count(cond) -> F.Column:
@@ -89,7 +93,7 @@ def _instances(t: Table) -> dict[int, str]:
     return out
 
 
-def _facts(t: Table) -> tuple[DataFrame, dict]:
+def _facts(t: Table) -> tuple[DataFrame, dict, DataFrame]:
     df = t.df
     corrupt = F.col(CORRUPT).isNotNull() if CORRUPT in df.columns else F.lit(False)
     norm = df.select(
@@ -120,13 +124,17 @@ def _facts(t: Table) -> tuple[DataFrame, dict]:
         # it, as fast as from materialised rows, so the facts are not materialised. The
         # statistics come from one aggregation by (stream, writer): its groups are few.
         groups = norm.groupBy("stream", "writer").agg(
-            *[_count(c).alias(n) for n, c in counts.items()], *[F.max(c).alias(n) for n, c in maxima.items()]
+            *[_count(c).alias(n) for n, c in counts.items()], *[F.max(c).alias(n) for n, c in maxima.items()],
+            F.min(F.when(~F.col("corrupt"), F.col("sid"))).alias("min_sid"),
         ).collect()
         s = {n: sum(g[n] or 0 for g in groups) for n in counts}
         s.update({n: max((g[n] for g in groups if g[n] is not None), default=None) for n in maxima})
         s["streams"] = len({g["stream"] for g in groups if g["stream"] is not None})
         s["writers"] = len({g["writer"] for g in groups if g["writer"] is not None})
         facts = norm.where(~F.col("corrupt")).select(*keep)
+        writers = facts.sparkSession.createDataFrame(
+            [(g["stream"], g["writer"], g["min_sid"]) for g in groups if g["rows"] - g["corrupt"] > 0],
+            "stream string, writer string, min_sid bigint")
     else:
         # JSON Lines are parsed once: the statistics are observed while the facts are
         # materialised (one pass), and only the columns the checks use are kept.
@@ -137,6 +145,7 @@ def _facts(t: Table) -> tuple[DataFrame, dict]:
             *[F.max(c).alias(n) for n, c in maxima.items()],
         ).where(~F.col("corrupt")).select(*keep).transform(materialise)
         s = dict(obs.get)
+        writers = facts.groupBy("stream", "writer").agg(F.min("sid").alias("min_sid")).transform(materialise)
     problems = _problems(t.path, s, {
         "corrupt": f"unreadable record(s){_corrupt_example(t) if s['corrupt'] else ''}",
         "null_stream": "fact(s) without stream", "null_writer": "fact(s) without writer",
@@ -147,7 +156,7 @@ def _facts(t: Table) -> tuple[DataFrame, dict]:
         problems.append(f"{t.path}: no fact rows")
     if problems:
         raise InputError("; ".join(problems))
-    return facts, s
+    return facts, s, writers
 
 
 def _tokens(t: Table) -> tuple[DataFrame, DataFrame, DataFrame, dict, bool]:
@@ -233,7 +242,7 @@ def load(spark: SparkSession, logs: str) -> Inputs:
                 token_error = None
             except Exception as e:
                 token_error = e
-            facts, fstats = writer_side.result()
+            facts, fstats, writers = writer_side.result()
         if token_error is not None:
             raise token_error
     except InputError:
@@ -251,4 +260,4 @@ def load(spark: SparkSession, logs: str) -> Inputs:
                        "rows_with_rooms": tstats["with_rooms"], "rows_with_since": tstats["with_since"]},
         "instance_map": {"format": tables["instance_map"].fmt, "rows": len(instances)},
     }
-    return Inputs(facts, tokens, deliveries, rooms, instances, has_seq, end, stats)
+    return Inputs(facts, tokens, deliveries, rooms, instances, has_seq, end, stats, writers)

@@ -132,8 +132,8 @@ def build_context(spark: SparkSession, inputs: Inputs, args: argparse.Namespace)
     """Parse the tokens and build the token components (both materialised) for the checks."""
     tokens = checks_syntax.parse_tokens(inputs.tokens, inputs.instances).transform(materialise)
     valid = tokens.where("valid")
-    comps = checks_syntax.components(valid, inputs.facts, inputs.instances).transform(materialise)
-    return Context(spark, inputs.facts, tokens, valid, inputs.deliveries, inputs.rooms, comps,
+    comps = checks_syntax.components(valid, inputs.writer_sids, inputs.instances).transform(materialise)
+    return Context(spark, inputs.facts, tokens, valid, inputs.deliveries, inputs.rooms, comps, inputs.writer_sids,
                    inputs.instances, inputs.stats["token_logs"]["rows"],
                    inputs.stats["writer_logs"]["writers"],
                    args.first_id, int(args.clock_skew_ms * 1000),

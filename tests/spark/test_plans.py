@@ -43,7 +43,7 @@ class PhysicalPlanTests(TestCase):
         ctx = build_context(session, inputs, args)
         plans = {
             "parse_tokens": physical_plan(checks_syntax.parse_tokens(inputs.tokens, inputs.instances)),
-            "components": physical_plan(checks_syntax.components(ctx.valid, ctx.facts, ctx.instances)),
+            "components": physical_plan(checks_syntax.components(ctx.valid, ctx.writer_sids, ctx.instances)),
             "by_event": physical_plan(checks_delivery.by_event(ctx)),
         }
         for stage, dfs, pending in stages(ctx, set(CHECK_NAMES)):
