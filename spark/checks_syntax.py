@@ -67,7 +67,7 @@ def writer_id(instances: dict[int, str], writer: Column) -> Column:
 def components(valid: DataFrame, writers: DataFrame, instances: dict[int, str]) -> DataFrame:
     """One row per (valid token, writer with facts in the token's stream) with its ``eff``.
 
-    ``writers`` has a row per (stream, writer) with facts (:attr:`spark.load.Inputs.writers`).
+    ``writers`` has a row per (stream, writer) with facts (:attr:`spark.load.Inputs.writer_sids`).
     """
     writers = writers.select("stream", "writer").withColumn("wid", writer_id(instances, F.col("writer")))
     return (valid.join(F.broadcast(writers), "stream")

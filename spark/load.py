@@ -132,7 +132,7 @@ def _facts(t: Table) -> tuple[DataFrame, dict, DataFrame]:
         s["streams"] = len({g["stream"] for g in groups if g["stream"] is not None})
         s["writers"] = len({g["writer"] for g in groups if g["writer"] is not None})
         facts = norm.where(~F.col("corrupt")).select(*keep)
-        writers = facts.sparkSession.createDataFrame(
+        writer_sids = facts.sparkSession.createDataFrame(
             [(g["stream"], g["writer"], g["min_sid"]) for g in groups if g["rows"] - g["corrupt"] > 0],
             "stream string, writer string, min_sid bigint")
     else:
@@ -145,7 +145,7 @@ def _facts(t: Table) -> tuple[DataFrame, dict, DataFrame]:
             *[F.max(c).alias(n) for n, c in maxima.items()],
         ).where(~F.col("corrupt")).select(*keep).transform(materialise)
         s = dict(obs.get)
-        writers = facts.groupBy("stream", "writer").agg(F.min("sid").alias("min_sid")).transform(materialise)
+        writer_sids = facts.groupBy("stream", "writer").agg(F.min("sid").alias("min_sid")).transform(materialise)
     problems = _problems(t.path, s, {
         "corrupt": f"unreadable record(s){_corrupt_example(t) if s['corrupt'] else ''}",
         "null_stream": "fact(s) without stream", "null_writer": "fact(s) without writer",
@@ -156,7 +156,7 @@ def _facts(t: Table) -> tuple[DataFrame, dict, DataFrame]:
         problems.append(f"{t.path}: no fact rows")
     if problems:
         raise InputError("; ".join(problems))
-    return facts, s, writers
+    return facts, s, writer_sids
 
 
 def _tokens(t: Table) -> tuple[DataFrame, DataFrame, DataFrame, dict, bool]:
@@ -242,7 +242,7 @@ def load(spark: SparkSession, logs: str) -> Inputs:
                 token_error = None
             except Exception as e:
                 token_error = e
-            facts, fstats, writers = writer_side.result()
+            facts, fstats, writer_sids = writer_side.result()
         if token_error is not None:
             raise token_error
     except InputError:
@@ -260,4 +260,4 @@ def load(spark: SparkSession, logs: str) -> Inputs:
                        "rows_with_rooms": tstats["with_rooms"], "rows_with_since": tstats["with_since"]},
         "instance_map": {"format": tables["instance_map"].fmt, "rows": len(instances)},
     }
-    return Inputs(facts, tokens, deliveries, rooms, instances, has_seq, end, stats, writers)
+    return Inputs(facts, tokens, deliveries, rooms, instances, has_seq, end, stats, writer_sids)
