@@ -34,7 +34,16 @@ from synflow.errors import HttpApiError
 from synflow.events.persist import EventPersister, PersistResult
 from synflow.events.router import EventRouter, serve_persist
 from synflow.events.sync import SyncHandler
+from synflow.federation.auth import (
+    FEDERATION_PREFIX,
+    KEY_PATH,
+    FederationAuthResource,
+    ServerKeyResource,
+    require_origin,
+)
 from synflow.federation.edus import EduFollower, EduQueue
+from synflow.federation.keyring import KeyRing, pinned_keys
+from synflow.federation.keys import load_or_create_signing_key
 from synflow.federation.sender import FederationSender
 from synflow.federation.storage import SqlDestinationStore
 from synflow.federation.transport import TreqFederationTransport
@@ -106,6 +115,8 @@ class SynflowProcess(ProcessService):
     federation_inbound: Any = None
     federation_sender: FederationSender | None = None
     edu_queue: EduQueue | None = None
+    signing_key: Any = None
+    keyring: KeyRing
     listeners: dict[str, ListeningService]
 
     async def setup_app(self) -> None:
@@ -151,13 +162,17 @@ class SynflowProcess(ProcessService):
         if own is not None:
             self._listen("internal", own.server_endpoint(), build_site({RPC_PREFIX: self.rpc_server}, health=health,
                                                                        max_body_bytes=max_body))
+        if config.listener("federation") is not None or config.app == "federation_sender":
+            self.signing_key = load_or_create_signing_key(config.signing_key_file)
         if config.listener("federation") is not None:
             self.federation_inbound = inbound_handler(
                 self.db, self.router, handler,
-                allowed_origins=(config.federation.allowed_origins if config.federation.allowed_origins is not None
-                                 else sorted(config.federation.destinations)),
+                allowed_origins=self.allowed_origins(),
                 max_body_bytes=config.federation.max_body_bytes, max_json_depth=config.limits.max_json_depth,
             )
+            keys_transport = TreqFederationTransport.from_config(self.reactor, config.federation)
+            self.keyring = KeyRing(keys_transport.get_server_keys, self.reactor,
+                                   pinned_keys(config.federation.trusted_keys))
         if config.app == "federation_sender":
             await self.setup_federation_sender(handler)
         if config.listener("client") is not None:
@@ -177,8 +192,19 @@ class SynflowProcess(ProcessService):
         if kind == "client" and self.client_api is not None:
             return {CLIENT_PREFIX: self.client_api}
         if kind == "federation" and self.federation_inbound is not None:
-            return {FEDERATION_SEND_PREFIX: self.federation_inbound.resource()}
+            return {FEDERATION_PREFIX: FederationAuthResource(self.config.server_name, self.keyring,
+                                                              self.federation_endpoints(), self.allowed_origins()),
+                    KEY_PATH: ServerKeyResource(self.config.server_name, self.signing_key, self.reactor)}
         return {}
+
+    def federation_endpoints(self) -> dict[str, Any]:
+        """The federation endpoints, by full path prefix: all behind the signature check."""
+        return {FEDERATION_SEND_PREFIX: self.federation_inbound.resource(origin_of=require_origin)}
+
+    def allowed_origins(self) -> list[str]:
+        """``federation.allowed_origins``, else the servers listed in ``federation.destinations``."""
+        federation = self.config.federation
+        return federation.allowed_origins if federation.allowed_origins is not None else sorted(federation.destinations)
 
     async def setup_federation_sender(self, handler: Any) -> None:
         """Follow the events stream and send to the destinations this sender owns."""
@@ -187,7 +213,8 @@ class SynflowProcess(ProcessService):
         store = SqlDestinationStore(self.db)
         self.follower = EventsFollower(store, handler, self.instances, config.server_name,
                                        config.instance_name, self.reactor)
-        transport = TreqFederationTransport.from_config(self.reactor, config.federation)
+        transport = TreqFederationTransport.from_config(self.reactor, config.federation,
+                                                        server_name=config.server_name, signing_key=self.signing_key)
         self.federation_sender = FederationSender(
             server_name=config.server_name, instance_name=config.instance_name,
             instances=config.federation_sender_instances, store=store, transport=transport,

@@ -18,7 +18,15 @@ reply body larger than ``max_response_bytes`` yes
 any other status (3xx, 4xx)                   no
 ============================================  ===========
 
-The client is anything treq-like with a ``put`` method (``treq`` itself, a
+Every request is signed (``Authorization: X-Matrix``, see
+:mod:`synflow.federation.signing`) when the transport is given this server's
+signing key, except the unauthenticated key fetch (:meth:`get_server_keys`).
+A destination listed in ``federation.destinations`` is reached through the
+plain client; any other one through the guarded client, whose resolver drops
+``federation.ip_range_blacklist`` addresses before connecting
+(:mod:`synflow.federation.addresses`).
+
+The client is anything treq-like with a ``request`` method (``treq`` itself, a
 :class:`treq.client.HTTPClient`, or :class:`treq.testing.StubTreq` in tests).
 :func:`build_treq_client` makes one on a reactor: TLS is verified by
 default (treq's default browser-like policy); ``verify_tls=False`` is for
@@ -43,18 +51,31 @@ from twisted.web.iweb import IPolicyForHTTPS
 from zope.interface import implementer
 
 from synflow.config import FederationConfig
+from synflow.federation.addresses import DEFAULT_IP_RANGE_BLACKLIST, AddressPolicy, GuardedReactor
 from synflow.federation.interfaces import JsonDict, TransactionFailed
+from synflow.federation.signing import auth_header
 
 logger = logging.getLogger(__name__)
 
 #: The path of the ``/send`` endpoint, before the URL-quoted transaction ID.
 SEND_PATH = "/_matrix/federation/v1/send/"
+#: The path of a server's key endpoint.
+SERVER_KEYS_PATH = "/_matrix/key/v2/server"
 #: The largest reply body read (a ``/send`` reply is small).
 DEFAULT_MAX_RESPONSE_BYTES = 1024 * 1024
 _RETRIABLE_CODES = frozenset({408, 429})
 
 #: ``auth_headers(destination, method, path, body)`` -> extra request headers.
-AuthHeaders = Callable[[str, str, str, JsonDict], Mapping[bytes, list[bytes]]]
+AuthHeaders = Callable[[str, str, str, JsonDict | None], Mapping[bytes, list[bytes]]]
+
+
+def signer(server_name: str, signing_key: Any) -> AuthHeaders:
+    """``auth_headers`` signing every request as ``server_name`` with ``signing_key``."""
+
+    def auth_headers(destination: str, method: str, path: str, body: JsonDict | None) -> Mapping[bytes, list[bytes]]:
+        return {b"Authorization": [auth_header(server_name, destination, signing_key, method, path, body)]}
+
+    return auth_headers
 
 
 class _ReplyTooLarge(Exception):
@@ -98,7 +119,8 @@ def _is_ip_literal(host: bytes) -> bool:
     return True
 
 
-def build_treq_client(reactor: Any, *, verify_tls: bool = True, persistent: bool = True) -> Any:
+def build_treq_client(reactor: Any, *, verify_tls: bool = True, persistent: bool = True,
+                      address_policy: AddressPolicy | None = None) -> Any:
     """A :class:`treq.client.HTTPClient` on ``reactor``.
 
     Args:
@@ -106,9 +128,13 @@ def build_treq_client(reactor: Any, *, verify_tls: bool = True, persistent: bool
         verify_tls: verify certificates (treq's default policy); False only
             for test setups with self-signed certificates.
         persistent: keep connections open between transactions.
+        address_policy: if given, names resolve through it: addresses it
+            blocks are never connected to.
     """
     from treq.client import HTTPClient
 
+    if address_policy is not None:
+        reactor = GuardedReactor(reactor, address_policy)
     pool = HTTPConnectionPool(reactor, persistent=persistent)
     if verify_tls:
         agent = Agent(reactor, pool=pool)
@@ -121,7 +147,7 @@ class TreqFederationTransport:
     """``/send`` over treq.
 
     Args:
-        treq_client: a treq-like client (``put(url, data=..., headers=...)``
+        treq_client: a treq-like client (``request(method, url, data=..., headers=...)``
             returning a Deferred response with ``code`` and ``collect``).
         destinations: server name -> base URL overrides (``federation.destinations``).
         clock: runs the timeout.
@@ -129,7 +155,10 @@ class TreqFederationTransport:
         max_response_bytes: the largest reply body accepted.
         auth_headers: optionally ``auth_headers(destination, method, path,
             body)`` returns extra headers for the request (for example a
-            signed ``Authorization: X-Matrix ...``).
+            signed ``Authorization: X-Matrix ...``, see :func:`signer`).
+        guarded_client: the client for destinations not listed in
+            ``destinations`` (one built with an address policy); None: the
+            same client for all.
     """
 
     def __init__(
@@ -141,8 +170,10 @@ class TreqFederationTransport:
         *,
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
         auth_headers: AuthHeaders | None = None,
+        guarded_client: Any = None,
     ) -> None:
         self._client = treq_client
+        self._guarded_client = guarded_client if guarded_client is not None else treq_client
         self._auth_headers = auth_headers
         self._destinations = dict(destinations)
         self._clock = clock
@@ -150,10 +181,20 @@ class TreqFederationTransport:
         self._max_response_bytes = max_response_bytes
 
     @classmethod
-    def from_config(cls, reactor: Any, config: FederationConfig) -> TreqFederationTransport:
-        """A transport on ``reactor`` configured by the ``federation`` section."""
+    def from_config(cls, reactor: Any, config: FederationConfig, *, server_name: str | None = None,
+                    signing_key: Any = None) -> TreqFederationTransport:
+        """A transport on ``reactor`` configured by the ``federation`` section.
+
+        With ``server_name`` and ``signing_key``, every request but the key
+        fetch is signed.
+        """
         client = build_treq_client(reactor, verify_tls=config.verify_tls)
-        return cls(client, config.destinations, reactor, config.request_timeout_s)
+        blacklist = config.ip_range_blacklist
+        policy = AddressPolicy(DEFAULT_IP_RANGE_BLACKLIST if blacklist is None else blacklist)
+        guarded = build_treq_client(reactor, verify_tls=config.verify_tls, address_policy=policy)
+        auth = signer(server_name, signing_key) if server_name is not None and signing_key is not None else None
+        return cls(client, config.destinations, reactor, config.request_timeout_s, auth_headers=auth,
+                   guarded_client=guarded)
 
     def base_url(self, destination: str) -> str:
         """The base URL of ``destination``: the configured one, else ``https://<server_name>``."""
@@ -165,12 +206,33 @@ class TreqFederationTransport:
 
     def send_transaction(self, destination: str, txn_id: str, body: JsonDict) -> Deferred[JsonDict]:
         """Send one transaction; see the module docstring for the outcomes."""
-        url = self.send_url(destination, txn_id)
+        return self.request_json(destination, "PUT", SEND_PATH + quote(txn_id, safe=""), body, label=txn_id)
+
+    def get_server_keys(self, destination: str) -> Deferred[JsonDict]:
+        """``GET /_matrix/key/v2/server`` of ``destination`` (unsigned), as a JSON object.
+
+        Fails with :class:`TransactionFailed` like :meth:`send_transaction`.
+        """
+        return self.request_json(destination, "GET", SERVER_KEYS_PATH, None, signed=False)
+
+    def request_json(self, destination: str, method: str, path: str, body: JsonDict | None, *,
+                     signed: bool = True, label: str = "") -> Deferred[JsonDict]:
+        """One federation request whose reply is a JSON object.
+
+        Args:
+            destination: the server name (mapped through ``destinations``).
+            method: ``GET``, ``PUT`` or ``POST``.
+            path: the request path and query, exactly as sent and signed.
+            body: the JSON body, or None.
+            signed: add the ``auth_headers`` (if the transport has them).
+            label: names the request in debug logs.
+        """
+        url = self.base_url(destination) + path
         headers = {b"Content-Type": [b"application/json"]}
-        if self._auth_headers is not None:
-            path = SEND_PATH + quote(txn_id, safe="")
-            headers.update(self._auth_headers(destination, "PUT", path, body))
-        d = Deferred.fromCoroutine(self._send(url, body, headers))
+        if signed and self._auth_headers is not None:
+            headers.update(self._auth_headers(destination, method, path, body))
+        client = self._client if destination in self._destinations else self._guarded_client
+        d = Deferred.fromCoroutine(self._send(client, method, url, body, headers))
         # Not Deferred.addTimeout: the agent turns the cancellation into
         # ResponseNeverReceived, so remember that the timeout fired instead.
         timed_out: list[bool] = []
@@ -187,11 +249,15 @@ class TreqFederationTransport:
             return result
 
         d.addBoth(_settled)
-        return d.addErrback(self._classify, destination, txn_id, timed_out)
+        return d.addErrback(self._classify, destination, label or path, timed_out)
 
-    async def _send(self, url: str, body: JsonDict, headers: dict[bytes, list[bytes]]) -> JsonDict:
-        data = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
-        response = await self._client.put(url, data=data, headers=headers)
+    async def _send(self, client: Any, method: str, url: str, body: JsonDict | None,
+                    headers: dict[bytes, list[bytes]]) -> JsonDict:
+        if body is None:
+            response = await client.request(method, url, headers=headers)
+        else:
+            data = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+            response = await client.request(method, url, data=data, headers=headers)
         raw = await self._read(response)
         code = response.code
         if 200 <= code < 300:
