@@ -34,8 +34,11 @@ from synflow.federation.keys import (
     decode_verify_key,
     parse_server_keys,
 )
+from synflow.metrics import counter
 
 logger = logging.getLogger(__name__)
+
+KEY_FETCHES = counter("synflow_federation_key_fetches_total", "Fetches of remote servers' keys", ["outcome"])
 
 #: The fewest ms between two fetches of one server's keys.
 REFETCH_INTERVAL_MS = 30_000
@@ -155,11 +158,14 @@ class KeyRing:
             body = await self._fetch_keys(server_name)
             keys = parse_server_keys(server_name, body, self._now_ms())
         except KeyResponseError as e:
+            KEY_FETCHES.labels(outcome="refused").inc()
             logger.warning("keys of %s refused: %s", server_name, e)
             return
         except Exception as e:
+            KEY_FETCHES.labels(outcome="failed").inc()
             logger.warning("could not fetch the keys of %s: %s: %s", server_name, type(e).__name__, e)
             return
+        KEY_FETCHES.labels(outcome="ok").inc()
         if server_name not in self._cache and len(self._cache) >= MAX_CACHED_SERVERS:
             first = min(self._cache, key=lambda name: self._cache[name].valid_until_ts)
             del self._cache[first]

@@ -114,7 +114,7 @@ GARBAGE = [
 
 class ValidationTest(SynchronousTestCase):
     def test_garbage_is_refused_and_nothing_persisted(self):
-        """Each kind of garbage gets exactly 400 with {errcode, error}; nothing is persisted or remembered."""
+        """Each kind of garbage gets its 4xx with {errcode, error}; nothing is persisted or remembered."""
         for name, origin, raw, code, errcode in GARBAGE:
             r = Receiver()
             got_code, got = self.successResultOf(r.handler.on_send(origin, "txn1", raw))
