@@ -5,8 +5,9 @@ every federation endpoint (``/send`` and any added later: they are mounted
 *inside* it, by path prefix, and never see an unauthenticated request).
 For each request it
 
-1. answers 400 ``M_TOO_LARGE`` / ``M_NOT_JSON`` for a body the site refused
-   to buffer or that is not JSON (no signature can cover it);
+1. answers 400 ``M_TOO_LARGE`` / ``M_NOT_JSON`` / ``M_BAD_JSON`` for a body
+   the site refused to buffer, that is not JSON (no signature can cover it)
+   or that nests deeper than :data:`MAX_JSON_DEPTH`;
 2. parses the ``Authorization: X-Matrix`` headers (at most
    :data:`~synflow.federation.signing.MAX_AUTH_HEADERS`): none, or a
    malformed one, is 401 ``M_UNAUTHORIZED``;
@@ -62,6 +63,8 @@ REQUESTS = counter("synflow_federation_inbound_requests_total",
 FEDERATION_PREFIX = "/_matrix/federation"
 #: Where this server's key is published.
 KEY_PATH = "/_matrix/key/v2/server"
+#: The deepest JSON nesting the gate signs over (as ``limits.max_json_depth``'s default).
+MAX_JSON_DEPTH = 64
 
 _ORIGIN_ATTR = "synflow_federation_origin"
 
@@ -129,6 +132,9 @@ class FederationAuthResource(Resource):
                 content = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
             except (ValueError, RecursionError) as e:
                 return _json_body(request, 400, {"errcode": "M_NOT_JSON", "error": f"body is not valid JSON: {e}"})
+            if _deeper_than(content, MAX_JSON_DEPTH):
+                return _json_body(request, 400, {"errcode": "M_BAD_JSON",
+                                                 "error": f"JSON is nested more than {MAX_JSON_DEPTH} levels deep"})
         gone: list[bool] = []
         request.notifyFinish().addErrback(lambda _: gone.append(True))
         d = Deferred.fromCoroutine(self._authenticate(request, content))
@@ -198,6 +204,20 @@ class FederationAuthResource(Resource):
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests arrays/objects more than ``limit`` deep (iteratively)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        for child in children:
+            if isinstance(child, (dict, list)):
+                if depth + 1 > limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
 
 
 class ServerKeyResource(Resource):

@@ -158,3 +158,6 @@ def verify_request(auth: XMatrixAuth, verify_key: VerifyKey, my_server_name: str
         verify_signed_json(signed, auth.origin, verify_key)
     except SignatureVerifyException as e:
         raise AuthError(f"signature of {auth.origin} by {auth.key_id} does not verify: {e}") from None
+    except (ValueError, TypeError, UnicodeError, RecursionError) as e:
+        # Content no signer could have encoded either (a lone surrogate, say).
+        raise AuthError(f"request cannot be canonically encoded: {type(e).__name__}") from None

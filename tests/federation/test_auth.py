@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from signedjson.key import generate_signing_key
 from treq.testing import StubTreq
 from twisted.internet.defer import succeed
@@ -22,6 +24,7 @@ from twisted.web.resource import Resource
 from synflow.federation.auth import (
     FEDERATION_PREFIX,
     KEY_PATH,
+    MAX_JSON_DEPTH,
     FederationAuthResource,
     ServerKeyResource,
     authenticated_origin,
@@ -190,6 +193,30 @@ class GateTest(SynchronousTestCase):
         code, reply = self.gate.request("PUT", SEND + "/t1", b"{not json", [signed({})])
         self.assertEqual((code, reply["errcode"]), (400, "M_NOT_JSON"))
         self.assertTrue(self.gate.nothing_happened())
+
+    def test_unencodable_or_deep_content_is_refused_cleanly(self):
+        """A lone surrogate (no signer can encode it) gets 401; nesting past MAX_JSON_DEPTH gets 400."""
+        raw = b'{"origin": "remote.test", "origin_server_ts": 1, "pdus": [], "x": "\\ud800"}'
+        header = signed({"origin": ORIGIN, "origin_server_ts": 1, "pdus": []})
+        self.assertEqual(self.gate.request("PUT", SEND + "/t1", raw, [header])[0], 401)
+        deep = b'{"a": ' + b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1) + b"}"
+        code, reply = self.gate.request("PUT", SEND + "/t1", deep, [header])
+        self.assertEqual((code, reply["errcode"]), (400, "M_BAD_JSON"))
+        edge = b'{"a": ' + b"[" * (MAX_JSON_DEPTH - 1) + b"]" * (MAX_JSON_DEPTH - 1) + b"}"
+        self.assertEqual(self.gate.request("PUT", SEND + "/t1", edge, [header])[0], 401)
+        self.assertTrue(self.gate.nothing_happened())
+
+    @settings(max_examples=60, deadline=None)
+    @given(content=st.recursive(
+        st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+        lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=4), children, max_size=3),
+        max_leaves=12))
+    def test_any_json_with_a_stale_signature_is_401(self, content: Any):
+        """Arbitrary JSON bodies under a signature over other content get 401, never a 500."""
+        gate = Gate()
+        code, reply = gate.request("PUT", SEND + "/t1", json.dumps(content).encode(), [signed({"other": True})])
+        self.assertEqual((code, reply["errcode"]), (401, "M_UNAUTHORIZED"))
+        self.assertTrue(gate.nothing_happened())
 
     def test_send_resource_alone_refuses_unauthenticated(self):
         """Mounted without the gate, /send with require_origin still answers 401."""
