@@ -119,7 +119,8 @@ class FlakyDestination(Resource):
         body = request.content.read()
         gone = []
         request.notifyFinish().addErrback(lambda _: gone.append(True))
-        d = ensureDeferred(self._handle(n, request.uri.decode(), body))
+        auth = request.requestHeaders.getRawHeaders(b"Authorization", [])
+        d = ensureDeferred(self._handle(n, request.uri.decode(), body, auth))
 
         def answer(result):
             code, content = result
@@ -133,7 +134,7 @@ class FlakyDestination(Resource):
         d.addErrback(lambda f: answer((502, json.dumps({"errcode": "M_UNKNOWN", "error": f.getErrorMessage()}).encode())))
         return NOT_DONE_YET
 
-    async def _handle(self, n: int, uri: str, body: bytes) -> tuple[int, bytes]:
+    async def _handle(self, n: int, uri: str, body: bytes, auth: list[bytes]) -> tuple[int, bytes]:
         kind = n % 6
         injected = json.dumps({"errcode": "M_UNKNOWN", "error": "injected failure"}).encode()
         if kind == 1:
@@ -142,7 +143,9 @@ class FlakyDestination(Resource):
         if kind in (3, 5):
             self.faults["slow (1 s)" if kind == 3 else "past the request timeout (6 s)"] += 1
             await sleep(1.0 if kind == 3 else 6.0)
-        response = await treq.put(self.target + uri, data=body, headers={"Content-Type": ["application/json"]},
+        # The sender's signature covers the path and names b.test, so it verifies when passed on unchanged.
+        response = await treq.put(self.target + uri, data=body,
+                                  headers={"Content-Type": ["application/json"], "Authorization": auth},
                                   pool=self.pool)
         content = await response.content()
         if kind == 4:
