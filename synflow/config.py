@@ -15,6 +15,7 @@ docs/configuration.md documents every key; keep the two in step.
 from __future__ import annotations
 
 import enum
+import importlib.util
 import os
 import types
 import typing
@@ -519,6 +520,26 @@ def validate(config: SynflowConfig, origins: Mapping[str, str]) -> None:
         if not url.startswith(("http://", "https://")):
             raise config_error(origins, f"federation.destinations.{name}", f"must be an http:// or https:// URL, got {url!r}")
     _check_federation(config.federation, origins)
+    _check_drivers(config, origins)
+
+
+#: The optional driver each backend needs, and the extra that installs it.
+_DRIVERS = {"psycopg2": "postgres", "txredisapi": "redis"}
+
+
+def _check_drivers(config: SynflowConfig, origins: Mapping[str, str]) -> None:
+    """The PostgreSQL and Redis drivers are extras: name the missing one and how to install it."""
+    needs: list[tuple[str, str]] = []
+    if config.database.engine == "postgres":
+        needs.append(("database.engine", "psycopg2"))
+    if config.replication.transport is Transport.REDIS:
+        needs.append(("replication.transport", "txredisapi"))
+    if config.caches.tier is not None:
+        needs.append(("caches.tier", "txredisapi"))
+    for key, module in needs:
+        if importlib.util.find_spec(module) is None:
+            raise config_error(origins, key, f"needs the {module} package, which is not installed: "
+                                             f"pip install 'synflow[{_DRIVERS[module]}]'")
 
 
 def _check_federation(federation: FederationConfig, origins: Mapping[str, str]) -> None:

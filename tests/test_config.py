@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 
@@ -27,7 +28,9 @@ listeners: [{endpoint: "tcp:8008:interface=127.0.0.1", resources: [client, feder
 """
 
 
-class ConfigTest(SynchronousTestCase):
+class _ConfigFiles(SynchronousTestCase):
+    """Writes config files into the test's directory and loads them."""
+
     def write(self, name: str, text: str) -> str:
         d = getattr(self, "_dir", None) or os.path.abspath(self.mktemp())
         self._dir = d
@@ -49,6 +52,8 @@ class ConfigTest(SynchronousTestCase):
         self.assertIn(fragment, message)
         return message
 
+
+class ConfigTest(_ConfigFiles):
     def test_valid(self):
         """A valid pair of files loads, the second overriding the first."""
         config = self.load(SHARED + "replication: {transport: tcp}\n", MASTER + "replication: {transport: redis}\n")
@@ -250,3 +255,30 @@ class DefaultDeploymentTest(SynchronousTestCase):
             "log_file": "/srv/p1.log", "pid_file": "/srv/p1.pid"})
         self.assertEqual((config.database_path, config.audit_dir, config.log_path, config.pid_path),
                          ("/srv/db.sqlite", "/srv/audit", "/srv/p1.log", "/srv/p1.pid"))
+
+
+class OptionalDriverTest(_ConfigFiles):
+    def hide(self, module: str) -> None:
+        real = importlib.util.find_spec
+        self.patch(importlib.util, "find_spec", lambda name, *a: None if name == module else real(name, *a))
+
+    def test_postgres_without_psycopg2(self):
+        """database.engine: postgres without psycopg2 installed names the key and the extra that installs it."""
+        self.hide("psycopg2")
+        self.assertConfigError("shared.yaml", "database.engine", "pip install 'synflow[postgres]'",
+                               shared=SHARED + "database: {engine: postgres}\n")
+
+    def test_redis_without_txredisapi(self):
+        """The Redis transport and the Redis cache tier without txredisapi name the extra that installs it."""
+        self.hide("txredisapi")
+        self.assertConfigError("own.yaml", "replication.transport", "pip install 'synflow[redis]'",
+                               own=MASTER + "replication: {transport: redis}\n")
+        self.assertConfigError("own.yaml", "caches.tier", "pip install 'synflow[redis]'",
+                               own=MASTER + "caches: {tier: {host: 127.0.0.1, port: 6379}}\n")
+
+    def test_embedded_default_needs_no_driver(self):
+        """SQLite and the TCP hub load with neither driver installed."""
+        real = importlib.util.find_spec
+        self.patch(importlib.util, "find_spec",
+                   lambda name, *a: None if name in ("psycopg2", "txredisapi") else real(name, *a))
+        self.assertIs(self.load().replication.transport, Transport.TCP)
