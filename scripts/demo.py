@@ -35,6 +35,7 @@ import urllib.request
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, ROOT)
 
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from twisted.internet import reactor  # noqa: E402
 from twisted.internet.defer import ensureDeferred  # noqa: E402
 
@@ -70,11 +71,12 @@ def cache_hit_rate(metric_urls: list[str]) -> tuple[float, int, int]:
             text = urllib.request.urlopen(url, timeout=5).read().decode()
         except OSError:
             continue
-        for line in text.splitlines():
-            if line.startswith("synflow_cache_hits_total"):
-                hits += float(line.rsplit(" ", 1)[1])
-            elif line.startswith("synflow_cache_misses_total"):
-                misses += float(line.rsplit(" ", 1)[1])
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "synflow_cache_hits_total":
+                    hits += sample.value
+                elif sample.name == "synflow_cache_misses_total":
+                    misses += sample.value
     total = hits + misses
     return (hits / total if total else 0.0), int(hits), int(misses)
 
