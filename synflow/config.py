@@ -176,7 +176,21 @@ class LimitsConfig:
     sync_max_limit: int = 1000
 
 
+@attrs.frozen
+class LoggingConfig:
+    """``logging:`` -- the process log's format, rotation and levels."""
+
+    format: Literal["text", "json"] = "text"
+    #: Rotate the log file past this size ...
+    max_bytes: int = 10 * 1024 * 1024
+    #: ... keeping this many rotated files (the oldest is deleted).
+    backups: int = 5
+    #: Level per logger name (a stdlib logger or a Twisted log namespace), e.g. ``synflow.federation: DEBUG``.
+    levels: dict[str, str] = attrs.Factory(dict)
+
+
 RESOURCES = ("client", "federation", "metrics")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 @attrs.frozen
@@ -207,6 +221,7 @@ class SynflowConfig:
     listeners: list[Listener] = attrs.Factory(list)
     log_file: str | None = None
     log_level: str = "INFO"
+    logging: LoggingConfig = LoggingConfig()
     pid_file: str | None = None
     #: The files this config came from, in order (not a YAML key).
     files: tuple[str, ...] = ()
@@ -514,8 +529,15 @@ def validate(config: SynflowConfig, origins: Mapping[str, str]) -> None:
     for i, listener in enumerate(config.listeners):
         if not listener.resources:
             raise config_error(origins, f"listeners[{i}].resources", "lists nothing to serve")
-    if config.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+    if config.log_level.upper() not in LOG_LEVELS:
         raise config_error(origins, "log_level", f"must be DEBUG, INFO, WARNING or ERROR, got {config.log_level!r}")
+    for name, level in config.logging.levels.items():
+        if not isinstance(level, str) or level.upper() not in LOG_LEVELS:
+            raise config_error(origins, f"logging.levels.{name}", f"must be DEBUG, INFO, WARNING or ERROR, got {level!r}")
+    if config.logging.max_bytes < 1024:
+        raise config_error(origins, "logging.max_bytes", f"must be at least 1024, got {config.logging.max_bytes!r}")
+    if config.logging.backups < 1:
+        raise config_error(origins, "logging.backups", f"must be at least 1, got {config.logging.backups!r}")
     for name, url in config.federation.destinations.items():
         if not url.startswith(("http://", "https://")):
             raise config_error(origins, f"federation.destinations.{name}", f"must be an http:// or https:// URL, got {url!r}")

@@ -282,3 +282,17 @@ class OptionalDriverTest(_ConfigFiles):
         self.patch(importlib.util, "find_spec",
                    lambda name, *a: None if name in ("psycopg2", "txredisapi") else real(name, *a))
         self.assertIs(self.load().replication.transport, Transport.TCP)
+
+
+class LoggingConfigTest(_ConfigFiles):
+    def test_logging_section(self):
+        """logging: format, rotation and levels load; bad values name their key."""
+        config = self.load(own=MASTER + "logging: {format: json, max_bytes: 4096, backups: 3, levels: {synflow.access: WARNING}}\n")
+        self.assertEqual(config.logging.format, "json")
+        self.assertEqual((config.logging.max_bytes, config.logging.backups), (4096, 3))
+        self.assertEqual(config.logging.levels, {"synflow.access": "WARNING"})
+        self.assertConfigError("own.yaml", "logging.levels.synflow", "must be DEBUG, INFO, WARNING or ERROR",
+                               own=MASTER + "logging: {levels: {synflow: LOUD}}\n")
+        self.assertConfigError("own.yaml", "logging.backups", "at least 1", own=MASTER + "logging: {backups: 0}\n")
+        self.assertConfigError("own.yaml", "logging.max_bytes", "at least 1024", own=MASTER + "logging: {max_bytes: 10}\n")
+        self.assertConfigError("own.yaml", "logging.format", "", own=MASTER + "logging: {format: xml}\n")
