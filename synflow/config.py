@@ -25,6 +25,7 @@ from typing import Any, Literal, TypeVar, get_args, get_origin
 import attrs
 import yaml
 
+from synflow.endpoints import endpoint_problem, tcp_address
 from synflow.errors import ConfigError
 
 T = TypeVar("T")
@@ -599,15 +600,9 @@ def _check_secret_file(origins: Mapping[str, str], key: str, path: str | None) -
 
 
 def listener_port(endpoint: str) -> int | None:
-    """The TCP port a server endpoint description listens on, if it is TCP."""
-    parts = endpoint.split(":")
-    if parts and parts[0] in ("tcp", "ssl") and len(parts) > 1:
-        for part in parts[1:]:
-            if part.isdigit():
-                return int(part)
-            if part.startswith("port="):
-                return int(part[5:]) if part[5:].isdigit() else None
-    return None
+    """The TCP port a server endpoint description listens on (tcp, tcp6, ssl); None for unix, systemd, ..."""
+    address = tcp_address(endpoint)
+    return address[1] if address is not None else None
 
 
 def _check_ports(config: SynflowConfig, origins: Mapping[str, str]) -> None:
@@ -621,10 +616,10 @@ def _check_ports(config: SynflowConfig, origins: Mapping[str, str]) -> None:
         seen[port] = key
 
     for i, listener in enumerate(config.listeners):
-        port = listener_port(listener.endpoint)
-        if port is None and not listener.endpoint.startswith(("unix:", "tcp:0", "tcp:port=0")):
-            raise config_error(origins, f"listeners[{i}].endpoint", f"not a server endpoint description: {listener.endpoint!r}")
-        claim(port, f"listeners[{i}].endpoint")
+        problem = endpoint_problem(listener.endpoint)
+        if problem is not None:
+            raise config_error(origins, f"listeners[{i}].endpoint", problem)
+        claim(listener_port(listener.endpoint), f"listeners[{i}].endpoint")
     own = config.instance_map.get(config.instance_name)
     if own is not None:
         claim(own.port, f"instance_map.{config.instance_name}.port")

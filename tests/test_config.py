@@ -8,7 +8,7 @@ import subprocess
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from synflow.config import Transport, load_config
+from synflow.config import Transport, listener_port, load_config
 from synflow.errors import ConfigError
 from tests.cluster import TWISTD
 
@@ -296,3 +296,24 @@ class LoggingConfigTest(_ConfigFiles):
         self.assertConfigError("own.yaml", "logging.backups", "at least 1", own=MASTER + "logging: {backups: 0}\n")
         self.assertConfigError("own.yaml", "logging.max_bytes", "at least 1024", own=MASTER + "logging: {max_bytes: 10}\n")
         self.assertConfigError("own.yaml", "logging.format", "", own=MASTER + "logging: {format: xml}\n")
+
+
+class EndpointDescriptionTest(_ConfigFiles):
+    def listener(self, endpoint: str) -> str:
+        return MASTER + f"listeners: [{{endpoint: '{endpoint}', resources: [client]}}]\n"
+
+    def test_every_server_endpoint_type_accepted(self):
+        """tcp6, unix and systemd descriptions load; only the ones with a port take part in port checks."""
+        for endpoint, port in (("tcp6:8443:interface=\\:\\:1", 8443), ("unix:/run/synflow/client.sock", None),
+                               ("systemd:domain=INET:index=0", None), ("tcp:port=8009", 8009)):
+            config = self.load(own=self.listener(endpoint))
+            self.assertEqual(config.listener("client").endpoint, endpoint)
+            self.assertEqual(listener_port(endpoint), port)
+
+    def test_bad_descriptions_named(self):
+        """An unknown type, a TCP type without a port, a bad systemd domain and an ssl key that is not there are refused."""
+        for endpoint, fragment in (("foo:8008", "Unknown endpoint type"), ("tcp:interface=127.0.0.1", "no port number"),
+                                   ("systemd:domain=IPX:index=0", "domain=INET, INET6 or UNIX"),
+                                   ("systemd:domain=INET", "index=N or name=NAME"),
+                                   ("ssl:8448:privateKey=/nonexistent/key.pem", "No such file")):
+            self.assertConfigError("own.yaml", "listeners[0].endpoint", fragment, own=self.listener(endpoint))

@@ -46,6 +46,7 @@ from synflow.config import (
     load_config,
     read_yaml,
 )
+from synflow.endpoints import tcp_address
 from synflow.errors import ConfigError
 
 START_TIMEOUT_S = 60.0
@@ -79,18 +80,13 @@ class Proc:
     def metrics_url(self) -> str | None:
         listener = self.config.listener("metrics")
         if listener is not None:
-            port = listener_port(listener.endpoint)
-            host = _interface(listener.endpoint)
-            return f"http://{host}:{port}/metrics"
+            address = tcp_address(listener.endpoint)
+            if address is None or not address[1]:
+                return None  # a unix or systemd socket: no URL to show
+            host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(address[0], address[0])
+            return f"http://{f'[{host}]' if ':' in host else host}:{address[1]}/metrics"
         own = self.config.instance_map.get(self.name)
         return f"http://{own.host}:{own.port}/metrics" if own else None
-
-
-def _interface(endpoint: str) -> str:
-    for part in endpoint.split(":"):
-        if part.startswith("interface="):
-            return part[len("interface="):]
-    return "127.0.0.1"
 
 
 #: Keys that make a YAML file in the deployment directory a process file.
