@@ -48,6 +48,7 @@ from synflow.config import (
 )
 from synflow.endpoints import tcp_address
 from synflow.errors import ConfigError
+from synflow.tools.prometheus import scrape_config
 
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
@@ -317,7 +318,7 @@ def _tail(path: str, lines: int = 30) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="synflowctl", description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("command", choices=("start", "stop", "restart", "status"))
+    parser.add_argument("command", choices=("start", "stop", "restart", "status", "prometheus-config"))
     parser.add_argument("directory", nargs="?", default="workers")
     parser.add_argument("--config", action="append", default=[], help="appended to every process's config list")
     args = parser.parse_args(argv)
@@ -333,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "restart":
         stop(procs)
         return start(procs)
+    if args.command == "prometheus-config":
+        sys.stdout.write(scrape_config(procs))
+        return 0
     return status(procs)
 
 
