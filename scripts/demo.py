@@ -10,7 +10,8 @@
    chain (a progress bar shows the sends).
 3. Waits until every chain has every message of its rooms, local or
    federated.
-4. Runs the Spark token validator over each deployment's audit logs.
+4. Runs the Spark token validator over each deployment's audit logs, in one
+   Spark session.
 5. Prints a report (events/s, send->sync latency, federation delivered /
    expected, cache hit rate, validator verdict), writes it as
    ``OUT/report.md`` with a latency plot ``OUT/latency.png``, stops
@@ -81,17 +82,34 @@ def cache_hit_rate(metric_urls: list[str]) -> tuple[float, int, int]:
     return (hits / total if total else 0.0), int(hits), int(misses)
 
 
-def run_validator(logs: str, out: str) -> tuple[int, dict]:
-    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable)
-    result = subprocess.run([sys.executable, "-m", "spark.validate_tokens", "--logs", logs, "--out", out],
-                            cwd=ROOT, env=env)
-    summary = {}
+def run_validators(jobs: list[tuple[str, str, str]]) -> dict[str, tuple[int, dict]]:
+    """Validate each ``(name, logs, out)`` in one Spark session; the exit code and summary per name."""
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    from spark.cli import parse_args
+    from spark.session import get_session
+    from spark.validate_tokens import run
+
     try:
-        with open(os.path.join(out, "summary.json"), encoding="utf-8") as f:
-            summary = json.load(f)
-    except (OSError, ValueError):
-        pass
-    return result.returncode, summary
+        spark = get_session(None, None, "2g", app_name="synflow-demo-validator")
+    except Exception as e:  # no JVM: every verdict is an internal failure
+        print(f"demo: cannot start Spark: {e}", file=sys.stderr)
+        return {name: (3, {}) for name, _, _ in jobs}
+    verdicts = {}
+    try:
+        for name, logs, out in jobs:
+            step(f"validating {name}'s tokens with Spark")
+            code = run(spark, parse_args(["--logs", logs, "--out", out]))
+            summary = {}
+            try:
+                with open(os.path.join(out, "summary.json"), encoding="utf-8") as f:
+                    summary = json.load(f)
+            except (OSError, ValueError):
+                pass
+            verdicts[name] = (code, summary)
+    finally:
+        spark.stop()
+    return verdicts
 
 
 def plot(latencies: list[float], path: str) -> None:
@@ -196,10 +214,8 @@ def main() -> int:
             for directory in reversed(started):
                 ctl(directory, "stop")
             started = []
-        verdicts = {}
-        for name, directory in (("localhost", home_dir), (PEER, peer_dir)):
-            step(f"validating {name}'s tokens with Spark")
-            verdicts[name] = run_validator(os.path.join(directory, "var", "audit"), os.path.join(out, f"validator-{name}"))
+        verdicts = run_validators([(name, os.path.join(directory, "var", "audit"), os.path.join(out, f"validator-{name}"))
+                                   for name, directory in (("localhost", home_dir), (PEER, peer_dir))])
         plot(report.latencies_ms, os.path.join(out, "latency.png"))
         code = write_report(out, args, report, traffic_s, hit_rate, hits, misses, verdicts)
         return code
