@@ -310,16 +310,16 @@ def _check_membership(event: EventLike, room: RoomView, sender_membership: str |
             raise _forbidden(f"{event.sender} has power {sender_level}; inviting needs {levels.invite}")
         return
     if membership is Membership.LEAVE and current == "ban":
-        needed = levels.ban
+        action, needed = "unban", levels.ban
     elif membership is Membership.LEAVE:
         if current not in ("join", "invite"):
             raise _forbidden(f"{target} is not in room {event.room_id}")
-        needed = levels.kick
+        action, needed = "kick", levels.kick
     else:
-        needed = levels.ban
+        action, needed = "ban", levels.ban
     if sender_level < needed or sender_level <= levels.level_of(target):
-        raise _forbidden(f"{event.sender} has power {sender_level}; to {'kick' if needed == levels.kick else 'ban'} "
-                         f"{target} needs {needed} and more than the target's {levels.level_of(target)}")
+        raise _forbidden(f"{event.sender} has power {sender_level}; to {action} {target} needs {needed} "
+                         f"and more than the target's {levels.level_of(target)}")
 
 
 def _check_state(event: EventLike, room: RoomView) -> None:

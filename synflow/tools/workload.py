@@ -182,9 +182,13 @@ class Workload:
         ])
 
     async def _join(self, room_id: str, member: UserState, creator: UserState) -> None:
-        if member.server != creator.server:
-            assert member.client.user_id is not None
-            await creator.client.at(self.url(creator.server)).invite(room_id, member.client.user_id)
+        """The creator invites the member (rooms are invite-only); the member joins through its own server.
+
+        A remote member's server learns of the room from the invite's PDU, so
+        its join answers 404 until that has arrived.
+        """
+        assert member.client.user_id is not None
+        await creator.client.at(self.url(creator.server)).invite(room_id, member.client.user_id)
         for _ in range(300):
             try:
                 await member.client.at(self.url(member.server)).join(room_id)
