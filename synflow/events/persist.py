@@ -12,7 +12,9 @@ the cache invalidations the change implies -- and announces all of it only
 once the transaction has committed.
 
 A client's ``(user, txn_id)`` makes a send idempotent: a retry returns the
-event persisted the first time. A remote PDU is idempotent by its event ID.
+event persisted the first time. The client API puts the whole request in
+``txn_id`` (device, room, event type and the client's transaction ID), so
+the same client transaction ID in another room is another send. A remote PDU is idempotent by its event ID.
 
 Every event's fields are checked against :mod:`synflow.events.bounds` before
 it is queued, so a malformed event is refused alone; and should a batch's

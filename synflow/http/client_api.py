@@ -246,7 +246,7 @@ class ClientApi(JsonResource):
         return 200, {}
 
     async def on_members(self, request: Request, room_id: str) -> tuple[int, Any]:
-        """The room's joined members, and the position (token) they were read at.
+        """The room's joined members, and the position (token) they were read at; only for joined users.
 
         The token is taken before the read, so the members reflect every
         membership change the token covers.
