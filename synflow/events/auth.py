@@ -284,6 +284,8 @@ def _check_membership(event: EventLike, room: RoomView, sender_membership: str |
     if not _is_user_id(target):
         raise AuthError(400, "M_BAD_JSON", f"state key {target!r} of a membership is not a user ID")
     current = room.members.get(target)
+    if current is None and target == event.sender:
+        current = sender_membership  # a sender taken as joined (rule 4) may leave like one
     levels = room.levels()
     sender_level = levels.level_of(event.sender)
     if membership is Membership.JOIN:

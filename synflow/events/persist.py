@@ -176,12 +176,15 @@ def _load_rooms_txn(txn: Any, room_ids: set[str]) -> dict[str, _RoomState]:
     )
     for room_id, event_type, content in txn.fetchall():
         view = rooms[room_id].view
-        parsed = json.loads(content)
-        # Stored state passed the rules when it was accepted, so it parses.
-        if event_type == auth.JOIN_RULES:
-            view.join_rule = JoinRule(parsed["join_rule"])
-        else:
-            view.power_levels = PowerLevels.from_content(parsed)
+        # State stored before the rules existed may not parse: it then counts as absent.
+        try:
+            parsed = json.loads(content)
+            if event_type == auth.JOIN_RULES:
+                view.join_rule = JoinRule(parsed["join_rule"])
+            else:
+                view.power_levels = PowerLevels.from_content(parsed)
+        except (ValueError, KeyError, TypeError, AuthError) as e:
+            logger.warning("ignoring unparsable %s of room %s: %s", event_type, room_id, e)
     return rooms
 
 

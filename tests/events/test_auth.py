@@ -95,6 +95,10 @@ TABLE: list[tuple[str, Ev, RoomView, str, Any]] = [
     ("stranger", msg(DAVE), room(), HS, (403, "M_FORBIDDEN", "not joined")),
     ("unknown sender from the room's own server", msg(RON, REMOTE_ROOM), LEARNED, REMOTE, VOUCHED),
     ("unknown remote sender in a room of this server", msg(RON), room(), REMOTE, (403, "M_FORBIDDEN", "not joined")),
+    ("unknown sender leaving, from the room's own server", member(RON, RON, "leave", REMOTE_ROOM), LEARNED, REMOTE,
+     VOUCHED),
+    ("unknown sender leaving, from another server", member(RON, RON, "leave"), room({ALICE: "join", RITA: "join"}),
+     REMOTE, (403, "M_FORBIDDEN", "not in room")),
     ("left remote sender from the room's own server", msg(RON, REMOTE_ROOM), room(
         {RON: "leave", BOB: "join"}, room_id=REMOTE_ROOM, creator=""), REMOTE, (403, "M_FORBIDDEN", "not joined")),
     # 5. join.

@@ -102,6 +102,30 @@ class PersistBatchMixin:
         (after,) = await persister.persist([message(rooms[0], "after")])
         self.assertIsNone(after.error)
 
+    async def test_unparsable_stored_state_counts_as_absent(self) -> None:
+        """A join rule or power levels stored before the rules (not parsable now) is ignored, not a failure of every later batch."""
+        db, persister = await self._persister()
+        room = f"!old:{HS}"
+        await persister.persist(create(room))
+
+        def corrupt(txn: Any) -> None:
+            for n, (event_type, content) in enumerate((("m.room.join_rules", '{"join_rule":"knock"}'),
+                                                        ("m.room.power_levels", '{"kick":"high"}'))):
+                event_id = f"$legacy{n}:{HS}"
+                txn.execute("INSERT INTO events (stream_ordering, instance_name, event_id, room_id, type, state_key, "
+                            "sender, content, origin_server_ts, origin, depth, received_ts) "
+                            "VALUES (?, ?, ?, ?, ?, '', ?, ?, 1, ?, 1, 1)",
+                            (-1 - n, P1, event_id, room, event_type, ALICE, content, HS))
+                txn.execute("INSERT INTO current_state (room_id, type, state_key, event_id) VALUES (?, ?, '', ?)",
+                            (room, event_type, event_id))
+
+        await db.run_interaction("corrupt", corrupt)
+        (sent,) = await persister.persist([message(room, "still works")])
+        self.assertIsNone(sent.error)
+        (joined,) = await persister.persist([EventSpec(room, "m.room.member", f"@bob:{HS}", {"membership": "join"},
+                                                       f"@bob:{HS}", HS, 1)])
+        self.assertEqual(joined.error and joined.error[:2], (403, "M_FORBIDDEN"))  # the default rule: invite
+
 
 class SqlitePersistBatchTests(PersistBatchMixin, TestCase):
     """On SQLite."""
