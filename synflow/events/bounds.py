@@ -160,3 +160,12 @@ def check_event_fields(fields: Mapping[str, Any]) -> None:
     size = len(json.dumps(present, separators=(",", ":"), ensure_ascii=False).encode("utf-8")) + PDU_RESERVE_BYTES
     if size > MAX_PDU_BYTES:
         raise EventTooLarge(f"the event is {size} bytes, more than {MAX_PDU_BYTES}")
+
+
+def event_refusal(fields: Mapping[str, Any]) -> tuple[int, str, str] | None:
+    """``(status, errcode, message)`` refusing an event out of bounds (see :func:`check_event_fields`), or None."""
+    try:
+        check_event_fields(fields)
+    except FieldError as e:
+        return (400, e.errcode, str(e))
+    return None

@@ -38,7 +38,7 @@ from synflow.caching import CURRENT_STATE_CACHE_NAME, invalidation_rows
 from synflow.errors import HttpApiError
 from synflow.events import auth
 from synflow.events.auth import AuthError, JoinRule, PowerLevels, RoomView
-from synflow.events.bounds import FieldError, check_event_fields
+from synflow.events.bounds import event_refusal
 from synflow.metrics import counter, histogram
 from synflow.sharding import shard_for
 from synflow.storage.id_generators import StreamWriteContext, StreamWriters
@@ -358,15 +358,6 @@ def write_invalidations_txn(ctx: StreamWriteContext, instance_name: str, rows: S
         ctx.add_rows("caches", sid, [row])
 
 
-def bounds_error(spec: EventSpec) -> tuple[int, str, str] | None:
-    """The refusal of an event whose fields are out of bounds (see :mod:`synflow.events.bounds`), or None."""
-    try:
-        check_event_fields(spec.to_json())
-    except FieldError as e:
-        return (400, e.errcode, str(e))
-    return None
-
-
 def _first_error(failure: Any) -> Any:
     return failure.value.subFailure
 
@@ -426,7 +417,7 @@ class EventPersister:
                                    f"room {spec.room_id} belongs to event persister {owner!r}, not {self.instance_name!r}",
                                    owner=owner)
             d: Deferred[PersistResult] = Deferred()
-            refusal = bounds_error(spec)
+            refusal = event_refusal(spec.to_json())
             if refusal is not None:
                 d.callback(PersistResult(None, None, self.instance_name, refusal))
             else:
