@@ -172,11 +172,15 @@ def validate_transaction(
         HttpApiError: 400 ``M_TOO_LARGE`` (body over the limit, more than 50
             PDUs or 100 EDUs), 400 ``M_NOT_JSON`` (not UTF-8, not JSON, NaN or
             Infinity), 400 ``M_BAD_JSON`` (not an object, too deep, a missing or
-            ill-typed field, a malformed PDU or EDU), 400 ``M_INVALID_PARAM``
-            (a bad transaction ID), 400 ``M_FORBIDDEN`` (origin not allowed or
-            not the authenticated one). Every refusal is a 400, as the
-            issue's contract for inbound garbage asks; the ``errcode`` says
-            which kind it was.
+            ill-typed field, a PDU without a string ``event_id``, a malformed
+            EDU, NaN/Infinity or an out-of-range integer outside the PDUs and
+            EDUs), 400 ``M_INVALID_PARAM`` (a bad transaction ID), 400
+            ``M_FORBIDDEN`` (origin not allowed or not the authenticated one).
+            Every refusal is a 400, as the issue's contract for inbound
+            garbage asks; the ``errcode`` says which kind it was. A PDU with
+            an ``event_id`` but bad otherwise is not a refusal of the
+            transaction: it is listed in ``Transaction.refused`` and answered
+            alone; an EDU out of bounds is dropped alone.
     """
     if not isinstance(txn_id, str) or not txn_id or len(txn_id) > MAX_TXN_ID_LENGTH:
         raise HttpApiError(400, "M_INVALID_PARAM", f"transaction ID must be 1 to {MAX_TXN_ID_LENGTH} characters")
