@@ -23,10 +23,9 @@ from typing import Any
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
-from synflow.errors import HttpApiError
-from synflow.events.persist import EventSpec, server_of
 from synflow.events.router import EventRouter
 from synflow.federation.inbound import InboundTransactionHandler
+from synflow.federation.pdus import pdu_to_spec
 from synflow.federation.policy import RetryState
 from synflow.federation.sender import FederationSender
 from synflow.federation.storage import SqlDedupeStore, SqlDestinationStore
@@ -149,14 +148,8 @@ def inbound_handler(db: Any, router: EventRouter, handler: ReplicationHandler, *
     destinations = SqlDestinationStore(db)
 
     async def persist_pdu(origin: str, pdu: dict[str, Any]) -> None:
-        if server_of(pdu["sender"]) != origin:
-            raise HttpApiError(403, "M_FORBIDDEN", f"sender {pdu['sender']} is not from origin {origin}")
-        spec = EventSpec(
-            room_id=pdu["room_id"], type=pdu["type"], sender=pdu["sender"], content=pdu["content"],
-            state_key=pdu.get("state_key"), origin=origin, origin_server_ts=pdu["origin_server_ts"],
-            event_id=pdu["event_id"],
-        )
-        (result,) = await router.persist([spec])
+        # The persister applies the room rules (synflow.events.auth) as ``origin``.
+        (result,) = await router.persist([pdu_to_spec(origin, pdu)])
         result.raise_error()
 
     def remote_server_up(origin: str) -> None:

@@ -90,9 +90,9 @@ async def build_world(db: Database, n_rooms: int, messages_per_room: int = 3, se
         for i, room in enumerate(rooms):
             if writer_of[room] != writer:
                 continue
-            specs = [*create_room(room, ALICE), member(room, f"@bob:{R1}", "join")]
+            specs = [*create_room(room, ALICE), member(room, f"@bob:{R1}", "invite", sender=ALICE)]
             if i % 3 == 0:
-                specs.append(member(room, f"@carol:{R2}", "join"))
+                specs.append(member(room, f"@carol:{R2}", "invite", sender=ALICE))
             setup.extend((next(next_id), s) for s in specs)
         await persist(db, writer, setup)
     rng = random.Random(seed)
