@@ -140,6 +140,25 @@ def _parse(raw_body: bytes, max_body_bytes: int, max_json_depth: int) -> dict[st
     return body
 
 
+def parse_body(raw_body: bytes, max_body_bytes: int, max_json_depth: int) -> dict[str, Any]:
+    """A federation request body from a remote server as a JSON object, every refusal a 400.
+
+    Raises:
+        HttpApiError: 400 ``M_TOO_LARGE``, ``M_NOT_JSON`` (not UTF-8, not
+            JSON, NaN or Infinity) or ``M_BAD_JSON`` (not an object, too deep).
+    """
+    return _parse(raw_body, max_body_bytes, max_json_depth)
+
+
+def check_pdu(index: int, pdu: Any) -> None:
+    """Check the shape of one PDU from a remote server, as ``/send`` does.
+
+    Raises:
+        HttpApiError: 400 ``M_BAD_JSON`` naming ``pdus[index]`` and the field.
+    """
+    _check_pdu(index, pdu)
+
+
 def validate_transaction(
     origin_header_or_none: str | None,
     txn_id: str,

@@ -48,7 +48,7 @@ def event_to_pdu(row: tuple[Any, ...]) -> Pdu:
     return Pdu(event_id, room_id, int(iid), int(so), body)
 
 
-_PDU_COLUMNS = (
+PDU_COLUMNS = (
     "e.room_id, e.stream_ordering, im.instance_id, e.event_id, e.type, e.state_key, e.sender, e.content, "
     "e.origin_server_ts, e.origin, e.prev_event_id, e.depth"
 )
@@ -135,7 +135,7 @@ class SqlDestinationStore:
         lo, lo_args = _position_sql(after, "im.instance_id")
         hi, hi_args = _position_sql(upto, "im.instance_id")
         txn.execute(
-            f"SELECT {_PDU_COLUMNS} FROM destination_rooms dr "
+            f"SELECT {PDU_COLUMNS} FROM destination_rooms dr "
             "JOIN instance_map im ON im.instance_name = dr.instance_name "
             "JOIN events e ON e.stream_ordering = dr.stream_ordering "
             f"WHERE dr.destination = ? AND dr.stream_ordering > {lo} AND dr.stream_ordering <= {hi} "
@@ -166,7 +166,7 @@ class SqlDestinationStore:
                              limit: int) -> list[Pdu]:
         where, args = _owed_events_sql(txn, destination, after, upto)
         txn.execute(
-            f"SELECT {_PDU_COLUMNS} FROM events e {where} ORDER BY e.stream_ordering, im.instance_id LIMIT ?",
+            f"SELECT {PDU_COLUMNS} FROM events e {where} ORDER BY e.stream_ordering, im.instance_id LIMIT ?",
             (*args, limit),
         )
         return [event_to_pdu(tuple(r)) for r in txn.fetchall()]
@@ -206,7 +206,7 @@ class SqlDestinationStore:
     def _local_events_txn(txn: Txn, instance: str, after: int, upto: int, server_name: str,
                           limit: int) -> list[tuple[Pdu, list[str]]]:
         txn.execute(
-            f"SELECT {_PDU_COLUMNS}, e.destinations FROM events e "
+            f"SELECT {PDU_COLUMNS}, e.destinations FROM events e "
             "JOIN instance_map im ON im.instance_name = e.instance_name "
             "WHERE e.instance_name = ? AND e.stream_ordering > ? AND e.stream_ordering <= ? "
             "AND e.origin = ? AND e.destinations IS NOT NULL ORDER BY e.stream_ordering LIMIT ?",
