@@ -14,7 +14,9 @@ each, in the origin's order.
 Only the origin's own events are persisted from its answer (an event of
 another server is that server's to send). A failed request, or a gap larger
 than the bound, is logged and counted; the PDU is persisted anyway, since
-refusing it would not bring the older events back.
+refusing it would not bring the older events back. A pulled event this
+server cannot persist *now* (a persister unreachable) fails the whole
+transaction instead, so the sender retries it.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from twisted.internet.defer import Deferred, maybeDeferred
 from synflow.errors import HttpApiError
 from synflow.events.persist import server_of
 from synflow.federation import metrics
-from synflow.federation.inbound import PersistPdu, check_pdu
+from synflow.federation.inbound import TRANSIENT_PERSIST_CODES, PersistPdu, check_pdu
 from synflow.federation.interfaces import JsonDict, MissingEventsTransport, TransactionFailed
 from synflow.federation.missing_events import (
     MAX_DEPTH,
@@ -188,11 +190,19 @@ class GapFiller:
         for event in sorted((e for e in theirs if e["event_id"] in unknown), key=lambda e: e["depth"]):
             try:
                 await maybeDeferred(self._persist, origin, event)
+            except HttpApiError as e:
+                if e.code in TRANSIENT_PERSIST_CODES:
+                    raise  # the whole transaction is retried; what was persisted is idempotent
+                self._refused(room_id, event, origin, e)
             except Exception as e:
-                metrics.MISSING_EVENTS_PULLED.labels(outcome="refused").inc()
-                logger.warning("%s: pulled event %s from %s refused: %s", room_id, event["event_id"], origin, e)
+                self._refused(room_id, event, origin, e)
             else:
                 metrics.MISSING_EVENTS_PULLED.labels(outcome="persisted").inc()
+
+    @staticmethod
+    def _refused(room_id: str, event: JsonDict, origin: str, error: Exception) -> None:
+        metrics.MISSING_EVENTS_PULLED.labels(outcome="refused").inc()
+        logger.warning("%s: pulled event %s from %s refused: %s", room_id, event["event_id"], origin, error)
 
     async def _pull(self, origin: str, room_id: str, event_id: str, earliest: list[str]) -> list[JsonDict]:
         """The events between ``earliest`` and ``event_id``, page by page back from ``event_id``."""

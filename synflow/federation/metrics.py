@@ -30,7 +30,8 @@ Totals (counters, no destination label, so cardinality stays bounded):
   remote servers' ``get_missing_events``;
 * ``synflow_federation_transaction_seconds`` -- a histogram of round trips;
 * ``synflow_federation_inbound_transactions_total{outcome}`` -- ``accepted``,
-  ``duplicate`` or ``rejected``.
+  ``duplicate``, ``rejected`` or ``retry`` (answered 503: a PDU could not be
+  persisted now).
 """
 
 from __future__ import annotations

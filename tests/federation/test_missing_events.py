@@ -314,6 +314,20 @@ class GapFillerTest(SynchronousTestCase):
         self.successResultOf(filler.persist_pdu(SERVER, pdu(5)))
         self.assertEqual(receiver.persisted, ["$e1:local.test", "$e3:local.test", "$e5:local.test"])
 
+    def test_a_pulled_event_that_cannot_be_persisted_now_fails_the_pdu_for_a_retry(self):
+        """A persister unreachable (502) while persisting a pulled event fails the PDU with it, so the transaction is retried."""
+        receiver = Receiver(known={"$e0:local.test"})
+
+        def unreachable(origin: str, event: dict[str, Any]) -> None:
+            if event["event_id"] == "$e2:local.test":
+                raise HttpApiError(502, "M_UNKNOWN", "failed to talk to 'persister1'")
+            receiver.persist(origin, event)
+
+        filler = GapFiller(receiver, ScriptedTransport({"events": [pdu(1), pdu(2)]}), unreachable)
+        d = filler.persist_pdu(SERVER, pdu(3))
+        self.assertEqual(self.failureResultOf(d, HttpApiError).value.code, 502)
+        self.assertEqual(receiver.persisted, ["$e1:local.test"])
+
     def test_ill_formed_prev_events_refuse_the_pdu(self):
         """prev_events that are not a bounded list of IDs are the PDU's own error; nothing is persisted."""
         for prev in ("$x", [1], ["$x"] * 21, ["y" * 256]):
