@@ -201,7 +201,7 @@ class SynflowProcess(ProcessService):
         store = SqlDestinationStore(self.db)
         self.follower = EventsFollower(store, handler, self.instances, config.server_name,
                                        config.instance_name, self.reactor)
-        transport = TreqFederationTransport.from_config(self.reactor, config.federation)
+        transport = TreqFederationTransport.from_config(self.reactor, config.federation, origin=config.server_name)
         self.federation_sender = FederationSender(
             server_name=config.server_name, instance_name=config.instance_name,
             instances=config.federation_sender_instances, store=store, transport=transport,
