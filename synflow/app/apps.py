@@ -160,7 +160,7 @@ class SynflowProcess(ProcessService):
         if config.listener("federation") is not None:
             allowed = (config.federation.allowed_origins if config.federation.allowed_origins is not None
                        else sorted(config.federation.destinations))
-            client = TreqFederationTransport.from_config(self.reactor, config.federation, origin=config.server_name)
+            client = TreqFederationTransport.from_config(self.reactor, config.federation, server_name=config.server_name)
             self.federation_inbound = inbound_handler(
                 self.db, self.router, handler,
                 allowed_origins=allowed,
@@ -201,7 +201,7 @@ class SynflowProcess(ProcessService):
         store = SqlDestinationStore(self.db)
         self.follower = EventsFollower(store, handler, self.instances, config.server_name,
                                        config.instance_name, self.reactor)
-        transport = TreqFederationTransport.from_config(self.reactor, config.federation, origin=config.server_name)
+        transport = TreqFederationTransport.from_config(self.reactor, config.federation, server_name=config.server_name)
         self.federation_sender = FederationSender(
             server_name=config.server_name, instance_name=config.instance_name,
             instances=config.federation_sender_instances, store=store, transport=transport,

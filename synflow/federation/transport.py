@@ -137,9 +137,9 @@ class TreqFederationTransport:
         auth_headers: optionally ``auth_headers(destination, method, path,
             body)`` returns extra headers for every request (for example a
             signed ``Authorization: X-Matrix ...``).
-        origin: our server name; without ``auth_headers``, requests carry an
-            unsigned ``Authorization: X-Matrix origin=...,destination=...``
-            so the remote knows who asks.
+        server_name: our server name; without ``auth_headers``, requests
+            carry an unsigned ``Authorization: X-Matrix
+            origin=...,destination=...`` so the remote knows who asks.
     """
 
     def __init__(
@@ -151,10 +151,10 @@ class TreqFederationTransport:
         *,
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
         auth_headers: AuthHeaders | None = None,
-        origin: str | None = None,
+        server_name: str | None = None,
     ) -> None:
         self._client = treq_client
-        self._origin = origin
+        self._server_name = server_name
         self._auth_headers = auth_headers
         self._destinations = dict(destinations)
         self._clock = clock
@@ -162,10 +162,11 @@ class TreqFederationTransport:
         self._max_response_bytes = max_response_bytes
 
     @classmethod
-    def from_config(cls, reactor: Any, config: FederationConfig, origin: str | None = None) -> TreqFederationTransport:
-        """A transport on ``reactor`` configured by the ``federation`` section."""
+    def from_config(cls, reactor: Any, config: FederationConfig, *,
+                    server_name: str | None = None) -> TreqFederationTransport:
+        """A transport on ``reactor`` configured by the ``federation`` section, asking as ``server_name``."""
         client = build_treq_client(reactor, verify_tls=config.verify_tls)
-        return cls(client, config.destinations, reactor, config.request_timeout_s, origin=origin)
+        return cls(client, config.destinations, reactor, config.request_timeout_s, server_name=server_name)
 
     def base_url(self, destination: str) -> str:
         """The base URL of ``destination``: the configured one, else ``https://<server_name>``."""
@@ -177,23 +178,34 @@ class TreqFederationTransport:
 
     def send_transaction(self, destination: str, txn_id: str, body: JsonDict) -> Deferred[JsonDict]:
         """Send one transaction; see the module docstring for the outcomes."""
-        path = SEND_PATH + quote(txn_id, safe="")
-        return self._request(destination, "PUT", path, body, txn_id, self._max_response_bytes)
+        return self.request_json(destination, "PUT", SEND_PATH + quote(txn_id, safe=""), body, label=txn_id)
 
     def get_missing_events(self, destination: str, room_id: str, body: JsonDict) -> Deferred[JsonDict]:
         """``POST get_missing_events/{room_id}``; the outcomes are those of ``/send``."""
-        path = GET_MISSING_EVENTS_PATH + quote(room_id, safe="")
-        return self._request(destination, "POST", path, body, f"get_missing_events {room_id}",
-                             MAX_MISSING_EVENTS_RESPONSE_BYTES)
+        return self.request_json(destination, "POST", GET_MISSING_EVENTS_PATH + quote(room_id, safe=""), body,
+                                 label=f"get_missing_events {room_id}",
+                                 max_response_bytes=MAX_MISSING_EVENTS_RESPONSE_BYTES)
 
-    def _request(self, destination: str, method: str, path: str, body: JsonDict, what: str,
-                 max_bytes: int) -> Deferred[JsonDict]:
+    def request_json(self, destination: str, method: str, path: str, body: JsonDict, *, label: str = "",
+                     max_response_bytes: int | None = None) -> Deferred[JsonDict]:
+        """One federation request whose reply is a JSON object (every request goes through here).
+
+        Args:
+            destination: the server name (mapped through ``destinations``).
+            method: ``PUT`` or ``POST``.
+            path: the request path, exactly as sent (and signed).
+            body: the JSON body.
+            label: names the request in logs.
+            max_response_bytes: the largest reply read (default: the transport's).
+        """
+        max_bytes = max_response_bytes if max_response_bytes is not None else self._max_response_bytes
+        what = label or path
         url = self.base_url(destination) + path
         headers = {b"Content-Type": [b"application/json"]}
         if self._auth_headers is not None:
             headers.update(self._auth_headers(destination, method, path, body))
-        elif self._origin is not None:
-            headers[b"Authorization"] = [f"X-Matrix origin={self._origin},destination={destination}".encode()]
+        elif self._server_name is not None:
+            headers[b"Authorization"] = [f"X-Matrix origin={self._server_name},destination={destination}".encode()]
         d = Deferred.fromCoroutine(self._send(method, url, body, headers, max_bytes))
         # Not Deferred.addTimeout: the agent turns the cancellation into
         # ResponseNeverReceived, so remember that the timeout fired instead.

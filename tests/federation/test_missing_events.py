@@ -124,7 +124,7 @@ class Served:
         self.client = build_treq_client(reactor, persistent=False)
 
     def transport(self, asker: str) -> TreqFederationTransport:
-        return TreqFederationTransport(self.client, {SERVER: self.url}, reactor, 10.0, origin=asker)
+        return TreqFederationTransport(self.client, {SERVER: self.url}, reactor, 10.0, server_name=asker)
 
     async def ask(self, asker: str, **body: Any) -> list[str]:
         reply = await self.transport(asker).get_missing_events(SERVER, ROOM, body)
