@@ -140,6 +140,8 @@ class FederationConfig:
     allowed_origins: list[str] | None = None
     verify_tls: bool = True
     max_body_bytes: int = 2 * 1024 * 1024
+    #: Catch-up sends every unacknowledged event up to this many per destination; past it, the latest per room.
+    catch_up_max_events: int = 10_000
 
 
 @attrs.frozen
@@ -191,6 +193,8 @@ class LoggingConfig:
 
 
 RESOURCES = ("client", "federation", "metrics")
+#: The largest ``federation.catch_up_max_events`` accepted.
+MAX_CATCH_UP_MAX_EVENTS = 1_000_000
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
@@ -587,6 +591,9 @@ def _check_federation(federation: FederationConfig, origins: Mapping[str, str]) 
                            f"must be at least 1 (1 keeps the interval fixed), got {backoff.multiplier!r}")
     if not 0 <= backoff.jitter < 1:
         raise config_error(origins, "federation.backoff.jitter", f"must be in [0, 1), got {backoff.jitter!r}")
+    if not 0 <= federation.catch_up_max_events <= MAX_CATCH_UP_MAX_EVENTS:
+        raise config_error(origins, "federation.catch_up_max_events",
+                           f"must be in [0, {MAX_CATCH_UP_MAX_EVENTS}], got {federation.catch_up_max_events!r}")
 
 
 def _check_secret_file(origins: Mapping[str, str], key: str, path: str | None) -> None:

@@ -157,6 +157,8 @@ class ConfigTest(_ConfigFiles):
             ("wakeup_interval_s: -5", "federation.wakeup_interval_s", "must be greater than 0"),
             ("request_timeout_s: 0", "federation.request_timeout_s", "must be greater than 0"),
             ("request_timeout_s: .nan", "federation.request_timeout_s", "must be greater than 0"),
+            ("catch_up_max_events: -1", "federation.catch_up_max_events", "must be in [0, 1000000]"),
+            ("catch_up_max_events: 1000001", "federation.catch_up_max_events", "must be in [0, 1000000]"),
         ]
         for federation, key, fragment in cases:
             self.assertConfigError("shared.yaml", key, fragment, shared=SHARED + f"federation: {{{federation}}}\n")
@@ -175,6 +177,7 @@ class ConfigTest(_ConfigFiles):
         backoff = federation.backoff
         self.assertEqual((backoff.initial_s, backoff.multiplier, backoff.max_s, backoff.jitter), (10.0, 2.0, 86400.0, 0.2))
         self.assertEqual(federation.destinations, {})
+        self.assertEqual(federation.catch_up_max_events, 10_000)
 
 
 def _workers_config(name: str, *extra: str, overrides: dict | None = None):

@@ -9,7 +9,8 @@ Three layers, each usable alone:
 * :class:`InboundTransactionHandler` -- deduplicates on ``(origin, txn_id)``
   through a :class:`~synflow.federation.interfaces.DedupeStore`, persists each
   PDU through an injected callable, reports the origin as up, and returns
-  ``(code, json_body)``;
+  ``(code, json_body)`` (503, unremembered, when a PDU cannot be persisted
+  now, so the sender retries);
 * :class:`SendResource` -- the twisted.web glue: mount it at
   ``/_matrix/federation/v1/send`` (it reads the transaction ID from the
   remaining path). It declares the handler's body limit as its
@@ -47,6 +48,10 @@ DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024
 DEFAULT_MAX_JSON_DEPTH = 64
 #: The longest transaction ID accepted.
 MAX_TXN_ID_LENGTH = 255
+#: ``persist_pdu`` errors that say this server cannot persist now (a persister
+#: unreachable), not that the PDU is bad: the transaction is answered 503 and
+#: not remembered, so the sender retries it.
+TRANSIENT_PERSIST_CODES = frozenset({502, 503, 504})
 
 
 @attrs.frozen
@@ -145,6 +150,25 @@ def _parse(raw_body: bytes, max_body_bytes: int, max_json_depth: int) -> dict[st
     if _depth_exceeds(body, max_json_depth):
         raise _bad(f"JSON is nested more than {max_json_depth} levels deep")
     return body
+
+
+def parse_body(raw_body: bytes, max_body_bytes: int, max_json_depth: int) -> dict[str, Any]:
+    """A federation request body from a remote server as a JSON object, every refusal a 400.
+
+    Raises:
+        HttpApiError: 400 ``M_TOO_LARGE``, ``M_NOT_JSON`` (not UTF-8, not
+            JSON, NaN or Infinity) or ``M_BAD_JSON`` (not an object, too deep).
+    """
+    return _parse(raw_body, max_body_bytes, max_json_depth)
+
+
+def check_pdu(index: int, pdu: Any) -> None:
+    """Check the shape of one PDU from a remote server, as ``/send`` does.
+
+    Raises:
+        HttpApiError: 400 ``M_BAD_JSON`` naming ``pdus[index]`` and the field.
+    """
+    _check_pdu(index, pdu)
 
 
 def validate_transaction(
@@ -325,6 +349,12 @@ class InboundTransactionHandler:
             try:
                 await maybeDeferred(self._persist_pdu, txn.origin, pdu)
             except HttpApiError as e:
+                if e.code in TRANSIENT_PERSIST_CODES:
+                    # Not this PDU's fault (a persister is unreachable): fail the whole transaction,
+                    # unremembered, so the sender retries it; what was persisted is idempotent.
+                    metrics.INBOUND_TRANSACTIONS.labels(outcome="retry").inc()
+                    logger.warning("/send %s from %s: %s; answering 503 for a retry", txn.txn_id, txn.origin, e.msg)
+                    return 503, {"errcode": "M_UNKNOWN", "error": f"cannot persist now, retry: {e.msg}"}
                 results[event_id] = {"error": e.msg}
             except Exception as e:
                 logger.warning("persisting %s from %s failed: %s", event_id, txn.origin, e)

@@ -24,7 +24,9 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
 from synflow.events.router import EventRouter
+from synflow.federation.gaps import GapFiller, SqlGapStore
 from synflow.federation.inbound import InboundTransactionHandler
+from synflow.federation.interfaces import MissingEventsTransport
 from synflow.federation.pdus import pdu_to_spec
 from synflow.federation.policy import RetryState
 from synflow.federation.sender import FederationSender
@@ -143,8 +145,14 @@ async def _noop() -> None:
 
 
 def inbound_handler(db: Any, router: EventRouter, handler: ReplicationHandler, *, allowed_origins: list[str] | None,
-                    max_body_bytes: int, max_json_depth: int) -> InboundTransactionHandler:
-    """The master's inbound transaction handler."""
+                    max_body_bytes: int, max_json_depth: int,
+                    missing_events: MissingEventsTransport | None = None) -> InboundTransactionHandler:
+    """The master's inbound transaction handler.
+
+    With ``missing_events`` (the federation client), a PDU whose
+    ``prev_events`` are unknown here has the missing events pulled from its
+    origin and persisted first (:class:`~synflow.federation.gaps.GapFiller`).
+    """
     destinations = SqlDestinationStore(db)
 
     async def persist_pdu(origin: str, pdu: dict[str, Any]) -> None:
@@ -162,6 +170,9 @@ def inbound_handler(db: Any, router: EventRouter, handler: ReplicationHandler, *
 
     def received_edu(origin: str, edu: dict[str, Any]) -> None:
         EDUS_RECEIVED.labels(edu_type=str(edu.get("edu_type", "?"))[:64]).inc()
+
+    if missing_events is not None:
+        persist = GapFiller(SqlGapStore(db), missing_events, persist).persist_pdu
 
     return InboundTransactionHandler(
         SqlDedupeStore(db), persist, remote_server_up, on_edu=received_edu, allowed_origins=allowed_origins,

@@ -192,6 +192,30 @@ class DedupeTest(SynchronousTestCase):
         self.assertEqual(code, 200)
         self.assertEqual(got["pdus"], {"$ev1": {}, "$ev2": {"error": "not allowed in this room"}, "$ev3": {}})
 
+    def test_a_pdu_that_cannot_be_persisted_now_fails_the_transaction_for_a_retry(self):
+        """A persister unreachable (502) answers the whole transaction 503, unremembered; the retry persists the rest."""
+        r = Receiver()
+        edus: list[Any] = []
+        unreachable: HttpApiError | None = HttpApiError(
+            502, "M_UNKNOWN", "failed to talk to 'persister1' (ConnectionRefusedError)")
+
+        def flaky(origin: str, p: dict[str, Any]) -> Any:
+            if p["event_id"] == "$ev2" and unreachable is not None:
+                raise unreachable
+            return r.persist(origin, p)
+
+        r.handler = InboundTransactionHandler(r.store, flaky, r.up.append, allowed_origins=[ORIGIN],
+                                              on_edu=lambda o, e: edus.append(e))
+        txn = body(pdus=[pdu(1), pdu(2), pdu(3)], edus=[{"edu_type": "m.t", "content": {}}])
+        code, got = self.successResultOf(r.handler.on_send(ORIGIN, "t1", txn))
+        self.assertEqual((code, got["errcode"]), (503, "M_UNKNOWN"))
+        self.assertEqual((r.persisted, edus, r.store.responses), ([(ORIGIN, "$ev1")], [], {}))
+        unreachable = None
+        code, got = self.successResultOf(r.handler.on_send(ORIGIN, "t1", txn))
+        self.assertEqual((code, got), (200, {"pdus": {"$ev1": {}, "$ev2": {}, "$ev3": {}}}))
+        self.assertEqual([e for _, e in r.persisted], ["$ev1", "$ev1", "$ev2", "$ev3"])
+        self.assertEqual(len(edus), 1)
+
     def test_repeated_transaction_returns_the_same_response_and_persists_once(self):
         """The same (origin, txn_id) again gets the stored response and persists nothing more."""
         r = Receiver()

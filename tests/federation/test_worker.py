@@ -240,7 +240,10 @@ class WorkerTestsMixin:
             "INSERT INTO federation_stream_position (type, instance_name, token) VALUES ('events', 'fs1', 's5')"))
         p = SenderProcess(db, {P1: 5}, instances=[], wakeup_interval_s=3600)
         await p.start()
-        await until(lambda: p.events_to("r1.test") == [f"$so5:{SERVER}"], "the room's latest event at start-up")
+        # Every local event r1.test was owed, oldest first: both messages after bob (of r1.test) joined.
+        owed = [f"$so{i}:{SERVER}" for i in (4, 5)]
+        await until(lambda: p.events_to("r1.test") == owed, "every owed event at start-up",
+                    show=lambda: p.events_to("r1.test"))
         self.assertEqual(p.follower.pdus_fed, 0)
         await p.stop()
 
