@@ -41,12 +41,12 @@ from synflow.config import (
     APP_TYPES,
     NOT_KEYS,
     SynflowConfig,
-    Transport,
     listener_port,
     load_config,
     read_yaml,
 )
 from synflow.errors import ConfigError
+from synflow.listeners import INTERNAL, effective_listeners
 
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
@@ -72,18 +72,25 @@ class Proc:
 
     @property
     def health_url(self) -> str | None:
-        own = self.config.instance_map.get(self.name)
-        return f"http://{own.host}:{own.port}/health" if own else None
+        """Where the process answers ``/health``: its internal listener if that serves it, else another."""
+        return self._url("health")
 
     @property
     def metrics_url(self) -> str | None:
-        listener = self.config.listener("metrics")
-        if listener is not None:
-            port = listener_port(listener.endpoint)
-            host = _interface(listener.endpoint)
-            return f"http://{host}:{port}/metrics"
-        own = self.config.instance_map.get(self.name)
-        return f"http://{own.host}:{own.port}/metrics" if own else None
+        """Where the process answers ``/metrics``: a configured ``metrics`` listener, else its internal listener."""
+        return self._url("metrics")
+
+    def _url(self, resource: str) -> str | None:
+        listeners = effective_listeners(self.config)
+        if resource == "health":  # the internal listener first: its address is what instance_map says
+            listeners.sort(key=lambda listener: listener.name != INTERNAL)
+        listener = next((listener for listener in listeners if listener.serves(resource)), None)
+        if listener is None:
+            return None
+        if listener.name == INTERNAL:
+            own = self.config.instance_map[self.name]
+            return f"http://{own.host}:{own.port}/{resource}"
+        return f"http://{_interface(listener.endpoint)}:{listener_port(listener.endpoint)}/{resource}"
 
 
 def _interface(endpoint: str) -> str:
@@ -140,14 +147,7 @@ def discover(directory: str, extra: list[str]) -> list[Proc]:
 
 def _ports(proc: Proc) -> list[tuple[int, str]]:
     """Every TCP port ``proc`` listens on, with the dotted key that sets it."""
-    config = proc.config
-    ports = [(listener_port(listener.endpoint), f"listeners[{i}].endpoint")
-             for i, listener in enumerate(config.listeners)]
-    own = config.instance_map.get(proc.name)
-    if own is not None:
-        ports.append((own.port, f"instance_map.{proc.name}.port"))
-    if config.app == "master" and config.replication.transport is Transport.TCP:
-        ports.append((config.replication.hub.port, "replication.hub.port"))
+    ports = [(listener_port(listener.endpoint), listener.key) for listener in effective_listeners(proc.config)]
     return [(port, key) for port, key in ports if port]
 
 
