@@ -225,7 +225,11 @@ class SynflowConfig:
         return _secret(self.replication.secret, self.replication.secret_file)
 
     def listener(self, kind: str) -> Listener | None:
-        """This process's listener serving ``kind``, if it has one."""
+        """This process's configured listener serving ``kind``, if any.
+
+        The internal listener and the hub are implied, not configured:
+        :func:`synflow.listeners.serving` covers them too.
+        """
         for listener in self.listeners:
             if kind in listener.resources:
                 return listener

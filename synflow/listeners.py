@@ -7,7 +7,7 @@ A listener serves exactly the resources it names, from a fixed set
 * ``federation`` -- inbound federation (``/_matrix/federation/...``);
 * ``metrics`` -- Prometheus ``/metrics``;
 * ``health`` -- ``/health``;
-* ``rpc`` -- internal RPC between the processes of one server (``/_synflow/rpc``);
+* ``rpc`` -- internal RPC between the processes of one server (``/_synflow/internal``);
 * ``replication`` -- the master's replication hub (the line protocol of
   docs/protocol.md, not HTTP, so it shares its listener with nothing).
 
@@ -42,9 +42,7 @@ if TYPE_CHECKING:
 
 #: What the internal listener (``instance_map.<instance>``) serves unless a configured listener names ``rpc``.
 INTERNAL_RESOURCES = ("rpc", "health", "metrics")
-#: Resources served by at most one listener of a process.
-SINGLE_RESOURCES = ("client", "federation", "rpc", "replication")
-#: The name of the listener an implied listener is known by.
+#: The names the implied listeners are known by (a configured one is named by its resources).
 INTERNAL = "internal"
 HUB = "hub"
 
