@@ -195,7 +195,7 @@ class DefaultDeploymentTest(SynchronousTestCase):
     PROCESSES = ("master", "persister1", "persister2", "federation_sender1", "cache_invalidator1")
 
     def test_addresses(self):
-        """Server localhost; the master serves client and federation on 127.0.0.1:8008; the hub is 127.0.0.1:9092; everything else is on loopback."""
+        """Server localhost; the master serves the client API alone on 127.0.0.1:8008 and federation alone on 127.0.0.1:8448; the hub is 127.0.0.1:9092; everything else is on loopback."""
         for name in self.PROCESSES:
             config = _workers_config(name)
             self.assertEqual(config.server_name, "localhost")
@@ -213,8 +213,10 @@ class DefaultDeploymentTest(SynchronousTestCase):
             if name != "master":
                 self.assertIsNone(config.listener("client"), name)
         master = _workers_config("master")
-        for kind in ("client", "federation"):
-            self.assertEqual(master.listener(kind).endpoint, "tcp:8008:interface=127.0.0.1")
+        self.assertEqual(master.listener("client").endpoint, "tcp:8008:interface=127.0.0.1")
+        self.assertEqual(master.listener("client").resources, ["client"])
+        self.assertEqual(master.listener("federation").endpoint, "tcp:8448:interface=127.0.0.1")
+        self.assertEqual(master.listener("federation").resources, ["federation"])
         self.assertEqual(master.event_writers, ["persister1", "persister2"])
         self.assertEqual(master.federation_sender_instances, ["federation_sender1"])
         self.assertEqual(master.caches.cache_invalidator_instances, ["cache_invalidator1"])
