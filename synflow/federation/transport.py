@@ -1,9 +1,12 @@
-"""Sending ``/send`` transactions over HTTP with treq.
+"""Federation requests over HTTP with treq: ``/send`` and ``get_missing_events``.
 
 :class:`TreqFederationTransport` implements
 :class:`~synflow.federation.interfaces.FederationTransport`: it ``PUT``\\ s the
-transaction's JSON to ``{base_url}/_matrix/federation/v1/send/{txnId}``,
-bounds the whole exchange (connect, request, reply) with a timeout on the
+transaction's JSON to ``{base_url}/_matrix/federation/v1/send/{txnId}``; and
+:class:`~synflow.federation.interfaces.MissingEventsTransport`: it ``POST``\\ s
+to ``{base_url}/_matrix/federation/v1/get_missing_events/{roomId}``. Both go
+through one request path, which adds the ``auth_headers`` (the request
+signature) to every request, bounds the whole exchange (connect, request, reply) with a timeout on the
 injected clock, and turns everything that is not a 2xx JSON object into a
 :class:`~synflow.federation.interfaces.TransactionFailed`:
 
@@ -59,10 +62,14 @@ logger = logging.getLogger(__name__)
 
 #: The path of the ``/send`` endpoint, before the URL-quoted transaction ID.
 SEND_PATH = "/_matrix/federation/v1/send/"
+#: The path of ``get_missing_events``, before the URL-quoted room ID.
+GET_MISSING_EVENTS_PATH = "/_matrix/federation/v1/get_missing_events/"
 #: The path of a server's key endpoint.
 SERVER_KEYS_PATH = "/_matrix/key/v2/server"
 #: The largest reply body read (a ``/send`` reply is small).
 DEFAULT_MAX_RESPONSE_BYTES = 1024 * 1024
+#: The largest ``get_missing_events`` reply read: 50 events of up to 64 KiB each, and room to spare.
+MAX_MISSING_EVENTS_RESPONSE_BYTES = 4 * 1024 * 1024
 _RETRIABLE_CODES = frozenset({408, 429})
 
 #: ``auth_headers(destination, method, path, body)`` -> extra request headers.
@@ -154,8 +161,12 @@ class TreqFederationTransport:
         timeout_s: the bound on one whole exchange.
         max_response_bytes: the largest reply body accepted.
         auth_headers: optionally ``auth_headers(destination, method, path,
-            body)`` returns extra headers for the request (for example a
-            signed ``Authorization: X-Matrix ...``, see :func:`signer`).
+            body)`` returns extra headers for every request (for example a
+            signed ``Authorization: X-Matrix ...``).
+        server_name: our server name; without ``auth_headers``, requests
+            carry an unsigned ``Authorization: X-Matrix
+            origin=...,destination=...`` (refused by a synflow or Synapse
+            receiver: for tests of the receiving side's other checks).
         guarded_client: the client for destinations not listed in
             ``destinations`` (one built with an address policy); None: the
             same client for all.
@@ -170,10 +181,12 @@ class TreqFederationTransport:
         *,
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
         auth_headers: AuthHeaders | None = None,
+        server_name: str | None = None,
         guarded_client: Any = None,
     ) -> None:
         self._client = treq_client
         self._guarded_client = guarded_client if guarded_client is not None else treq_client
+        self._server_name = server_name
         self._auth_headers = auth_headers
         self._destinations = dict(destinations)
         self._clock = clock
@@ -183,10 +196,11 @@ class TreqFederationTransport:
     @classmethod
     def from_config(cls, reactor: Any, config: FederationConfig, *, server_name: str | None = None,
                     signing_key: Any = None) -> TreqFederationTransport:
-        """A transport on ``reactor`` configured by the ``federation`` section.
+        """A transport on ``reactor`` configured by the ``federation`` section, asking as ``server_name``.
 
-        With ``server_name`` and ``signing_key``, every request but the key
-        fetch is signed.
+        With ``signing_key`` too, every request but the key fetch is signed.
+        Destinations not listed in ``federation.destinations`` go through a
+        client guarded by ``federation.ip_range_blacklist``.
         """
         client = build_treq_client(reactor, verify_tls=config.verify_tls)
         blacklist = config.ip_range_blacklist
@@ -194,7 +208,7 @@ class TreqFederationTransport:
         guarded = build_treq_client(reactor, verify_tls=config.verify_tls, address_policy=policy)
         auth = signer(server_name, signing_key) if server_name is not None and signing_key is not None else None
         return cls(client, config.destinations, reactor, config.request_timeout_s, auth_headers=auth,
-                   guarded_client=guarded)
+                   server_name=server_name, guarded_client=guarded)
 
     def base_url(self, destination: str) -> str:
         """The base URL of ``destination``: the configured one, else ``https://<server_name>``."""
@@ -213,26 +227,39 @@ class TreqFederationTransport:
 
         Fails with :class:`TransactionFailed` like :meth:`send_transaction`.
         """
-        return self.request_json(destination, "GET", SERVER_KEYS_PATH, None, signed=False)
+        return self.request_json(destination, "GET", SERVER_KEYS_PATH, None, signed=False, label="server keys")
 
-    def request_json(self, destination: str, method: str, path: str, body: JsonDict | None, *,
-                     signed: bool = True, label: str = "") -> Deferred[JsonDict]:
-        """One federation request whose reply is a JSON object.
+    def get_missing_events(self, destination: str, room_id: str, body: JsonDict) -> Deferred[JsonDict]:
+        """``POST get_missing_events/{room_id}``; the outcomes are those of ``/send``."""
+        return self.request_json(destination, "POST", GET_MISSING_EVENTS_PATH + quote(room_id, safe=""), body,
+                                 label=f"get_missing_events {room_id}",
+                                 max_response_bytes=MAX_MISSING_EVENTS_RESPONSE_BYTES)
+
+    def request_json(self, destination: str, method: str, path: str, body: JsonDict | None, *, label: str = "",
+                     max_response_bytes: int | None = None, signed: bool = True) -> Deferred[JsonDict]:
+        """One federation request whose reply is a JSON object (every request goes through here).
 
         Args:
             destination: the server name (mapped through ``destinations``).
             method: ``GET``, ``PUT`` or ``POST``.
-            path: the request path and query, exactly as sent and signed.
-            body: the JSON body, or None.
-            signed: add the ``auth_headers`` (if the transport has them).
-            label: names the request in debug logs.
+            path: the request path, exactly as sent (and signed).
+            body: the JSON body, or None for a request without one.
+            label: names the request in logs.
+            max_response_bytes: the largest reply read (default: the transport's).
+            signed: add the ``auth_headers`` (False only for the key fetch).
         """
+        max_bytes = max_response_bytes if max_response_bytes is not None else self._max_response_bytes
+        what = label or path
         url = self.base_url(destination) + path
         headers = {b"Content-Type": [b"application/json"]}
-        if signed and self._auth_headers is not None:
+        if not signed:
+            pass
+        elif self._auth_headers is not None:
             headers.update(self._auth_headers(destination, method, path, body))
+        elif self._server_name is not None:
+            headers[b"Authorization"] = [f"X-Matrix origin={self._server_name},destination={destination}".encode()]
         client = self._client if destination in self._destinations else self._guarded_client
-        d = Deferred.fromCoroutine(self._send(client, method, url, body, headers))
+        d = Deferred.fromCoroutine(self._send(client, method, url, body, headers, max_bytes))
         # Not Deferred.addTimeout: the agent turns the cancellation into
         # ResponseNeverReceived, so remember that the timeout fired instead.
         timed_out: list[bool] = []
@@ -249,16 +276,16 @@ class TreqFederationTransport:
             return result
 
         d.addBoth(_settled)
-        return d.addErrback(self._classify, destination, label or path, timed_out)
+        return d.addErrback(self._classify, destination, what, timed_out)
 
     async def _send(self, client: Any, method: str, url: str, body: JsonDict | None,
-                    headers: dict[bytes, list[bytes]]) -> JsonDict:
+                    headers: dict[bytes, list[bytes]], max_bytes: int) -> JsonDict:
         if body is None:
             response = await client.request(method, url, headers=headers)
         else:
             data = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
             response = await client.request(method, url, data=data, headers=headers)
-        raw = await self._read(response)
+        raw = await self._read(response, max_bytes)
         code = response.code
         if 200 <= code < 300:
             try:
@@ -271,31 +298,31 @@ class TreqFederationTransport:
         retriable = code >= 500 or code in _RETRIABLE_CODES
         raise TransactionFailed(f"HTTP {code}: {_snippet(raw)}", retriable=retriable)
 
-    async def _read(self, response: Any) -> bytes:
+    async def _read(self, response: Any, max_bytes: int) -> bytes:
         chunks: list[bytes] = []
         size = 0
 
         def collect(chunk: bytes) -> None:
             nonlocal size
             size += len(chunk)
-            if size > self._max_response_bytes:
+            if size > max_bytes:
                 raise _ReplyTooLarge()
             chunks.append(chunk)
 
         try:
             await response.collect(collect)
         except _ReplyTooLarge:
-            raise TransactionFailed(f"reply is larger than {self._max_response_bytes} bytes") from None
+            raise TransactionFailed(f"reply is larger than {max_bytes} bytes") from None
         return b"".join(chunks)
 
-    def _classify(self, failure: Failure, destination: str, txn_id: str, timed_out: list[bool]) -> Failure:
+    def _classify(self, failure: Failure, destination: str, what: str, timed_out: list[bool]) -> Failure:
         if timed_out:
             return Failure(TransactionFailed(f"no reply within {self._timeout_s}s"))
         if failure.check(TransactionFailed):
             return failure
         if failure.check(defer.CancelledError):
             return failure
-        logger.debug("sending %s to %s failed: %s", txn_id, destination, failure.getTraceback())
+        logger.debug("sending %s to %s failed: %s", what, destination, failure.getTraceback())
         exc = failure.value
         return Failure(TransactionFailed(f"{type(exc).__name__}: {exc}"))
 
