@@ -145,7 +145,7 @@ class SynflowProcess(ProcessService):
 
             self.rpc_server.register("queue_edus", queue_edus)
         self.sync = SyncHandler(self.store, handler, self.instances, self.reactor, self.audit)
-        health = HealthResource(self.health_problems, self.health_details)
+        health = HealthResource(self.health_problems, self.health_details, self.health_degraded)
         max_body = config.limits.max_request_bytes
         own = config.instance_map.get(me)
         if own is not None:
@@ -157,6 +157,7 @@ class SynflowProcess(ProcessService):
                 allowed_origins=(config.federation.allowed_origins if config.federation.allowed_origins is not None
                                  else sorted(config.federation.destinations)),
                 max_body_bytes=config.federation.max_body_bytes, max_json_depth=config.limits.max_json_depth,
+                clock=self.reactor,
             )
         if config.app == "federation_sender":
             await self.setup_federation_sender(handler)
@@ -275,6 +276,11 @@ class SynflowProcess(ProcessService):
         if self.db_probe is not None and self.db_probe.problem is not None:
             problems.append(self.db_probe.problem)
         return problems
+
+    def health_degraded(self) -> list[str]:
+        """What ``/health`` reports as degraded (200, ``"status": "degraded"``): the audit log failing."""
+        problem = self.audit.problem if self.audit is not None else None
+        return [problem] if problem is not None else []
 
     def replication_address(self) -> str:
         """Where this process replicates through, for health messages."""

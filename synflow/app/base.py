@@ -78,6 +78,7 @@ class ProcessService(MultiService):
         self.audit = AuditLog(
             config.audit_dir, config.instance_name, self.reactor,
             max_bytes=config.audit.max_bytes, enabled=config.audit.enabled,
+            retain_bytes=config.audit.retain_bytes, retain_days=config.audit.retain_days,
         )
         db = self.db = Database(self.reactor, database_config(config))
         self.db_probe = DatabaseProbe(db, self.reactor)

@@ -27,6 +27,7 @@ from synflow.errors import HttpApiError
 from synflow.events.persist import EventSpec, server_of
 from synflow.events.router import EventRouter
 from synflow.federation.inbound import InboundTransactionHandler
+from synflow.federation.metrics import edu_type_label
 from synflow.federation.policy import RetryState
 from synflow.federation.sender import FederationSender
 from synflow.federation.storage import SqlDedupeStore, SqlDestinationStore
@@ -144,8 +145,9 @@ async def _noop() -> None:
 
 
 def inbound_handler(db: Any, router: EventRouter, handler: ReplicationHandler, *, allowed_origins: list[str] | None,
-                    max_body_bytes: int, max_json_depth: int) -> InboundTransactionHandler:
-    """The master's inbound transaction handler."""
+                    max_body_bytes: int, max_json_depth: int,
+                    clock: IReactorTime | None = None) -> InboundTransactionHandler:
+    """The master's inbound transaction handler (``clock`` ages its deduplication rows)."""
     destinations = SqlDestinationStore(db)
 
     async def persist_pdu(origin: str, pdu: dict[str, Any]) -> None:
@@ -168,9 +170,9 @@ def inbound_handler(db: Any, router: EventRouter, handler: ReplicationHandler, *
         return Deferred.fromCoroutine(persist_pdu(origin, pdu))
 
     def received_edu(origin: str, edu: dict[str, Any]) -> None:
-        EDUS_RECEIVED.labels(edu_type=str(edu.get("edu_type", "?"))[:64]).inc()
+        EDUS_RECEIVED.labels(edu_type=edu_type_label(edu.get("edu_type"))).inc()
 
     return InboundTransactionHandler(
-        SqlDedupeStore(db), persist, remote_server_up, on_edu=received_edu, allowed_origins=allowed_origins,
+        SqlDedupeStore(db, clock), persist, remote_server_up, on_edu=received_edu, allowed_origins=allowed_origins,
         max_body_bytes=max_body_bytes, max_json_depth=max_json_depth,
     )

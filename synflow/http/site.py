@@ -1,7 +1,9 @@
 """Listener sites: a root that dispatches by path prefix, plus /health and /metrics.
 
 Every synflow process serves ``/health`` (200 when started and connected to
-replication and the database, 503 with the reasons otherwise) and Prometheus
+replication and the database -- ``"status": "degraded"`` with the reasons when
+something non-fatal is wrong, such as an audit log that cannot write -- 503
+with the reasons otherwise) and Prometheus
 ``/metrics`` on its internal listener and on its ``metrics`` listener; the
 client API and inbound federation are mounted on their listeners.
 
@@ -72,18 +74,27 @@ class _NotFound(Resource):
 
 
 class HealthResource(Resource):
-    """``/health``: 200 ``{"status": "ok"}`` or 503 with the problems."""
+    """``/health``: 200 ``{"status": "ok"}``, 200 ``"degraded"`` with warnings, or 503 with the problems.
+
+    ``degraded`` lists what is wrong but does not stop the process serving
+    correctly (the audit log cannot write, say): the status is ``degraded``,
+    the answer stays 200 and the reasons are under ``"degraded"``.
+    """
 
     isLeaf = True
 
-    def __init__(self, check: Callable[[], list[str]], details: Callable[[], dict[str, Any]] | None = None) -> None:
+    def __init__(self, check: Callable[[], list[str]], details: Callable[[], dict[str, Any]] | None = None,
+                 degraded: Callable[[], list[str]] | None = None) -> None:
         super().__init__()
         self.check = check
         self.details = details
+        self.degraded = degraded
 
     def render_GET(self, request: Request) -> bytes:
         problems = self.check()
-        body: dict[str, Any] = {"status": "ok" if not problems else "unhealthy", "problems": problems}
+        warnings = self.degraded() if self.degraded is not None else []
+        status = "unhealthy" if problems else "degraded" if warnings else "ok"
+        body: dict[str, Any] = {"status": status, "problems": problems, "degraded": warnings}
         if self.details is not None:
             body.update(self.details())
         request.setResponseCode(200 if not problems else 503)
