@@ -262,6 +262,7 @@ class AuditLog:
             self._failed("instance_map", e, 0)
             return
         self._instances_pending = False
+        self._written()
 
     # -- flushing -----------------------------------------------------------------------
 

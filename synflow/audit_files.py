@@ -24,6 +24,9 @@ logger = logging.getLogger(__name__)
 
 SECONDS_PER_DAY = 86_400
 
+#: The low-level write every append goes through (a seam where tests inject a full disk).
+os_write = os.write
+
 
 class PartFiles:
     """An append-only, size-rotated series of JSONL part files in one directory.
@@ -65,7 +68,7 @@ class PartFiles:
         view = memoryview(data)
         try:
             while view:
-                written = os.write(self._fd, view)
+                written = os_write(self._fd, view)
                 view = view[written:]
         except OSError:
             self._cut_back()
