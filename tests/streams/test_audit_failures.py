@@ -7,6 +7,7 @@ Every test runs the production audit log and ID generators on an injected clock;
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 from typing import Any
@@ -216,7 +217,7 @@ class RetentionTest(SynchronousTestCase):
 
     def _fill(self, files: PartFiles, n: int) -> None:
         for i in range(n):
-            files.write(['{"n":%d,"pad":"%s"}' % (i, "x" * 80)])
+            files.write([json.dumps({"n": i, "pad": "x" * 80}, separators=(",", ":"))])
 
     def test_retain_bytes_deletes_oldest_rotated_files(self) -> None:
         """Past retain_bytes the oldest rotated files go; the active file and the newest stay."""
