@@ -148,4 +148,55 @@ class AuditDiskFullTest(TestCase):
         s = summary(out)
         self.assertTrue({g["writer"] for g in s["gaps"]["writer_logs"]} >= set(WRITERS), s["gaps"])
         self.assertTrue(s["gaps"]["token_logs"], s["gaps"])
+        print(f"audit-disk-full: sent={report.sent} lost={report.lost} writer_gaps={len(s['gaps']['writer_logs'])} "
+              f"facts_lost={sum(g['facts'] for g in gaps)} token_gaps={len(s['gaps']['token_logs'])} "
+              f"unverifiable={s['gaps']['unverifiable']} validator_exit={code}")
 
+
+
+#: Small audit files for the retention test: rotate at 16 KiB, keep 48 KiB of rotated files per log.
+RETENTION_MAX_BYTES = 16 * 1024
+RETENTION_KEEP_BYTES = 48 * 1024
+
+
+class RetentionUnderLoadTest(TestCase):
+    timeout = 400
+
+    @inlineCallbacks
+    def test_retention_deletes_old_files_under_load(self):
+        """While users send and sync, each log keeps at most retain_bytes of rotated files plus its active one."""
+        cluster = Cluster(self, writers=WRITERS, shared={"audit": {"max_bytes": RETENTION_MAX_BYTES,
+                                                                   "retain_bytes": RETENTION_KEEP_BYTES}})
+        audit_dir = cluster.shared["audit"]["dir"]
+        ports = {"master": free_port(), "persister1": free_port()}
+        listeners = {n: [{"resources": ["client"], "endpoint": f"tcp:{p}:interface=127.0.0.1"}] for n, p in ports.items()}
+        yield cluster.start_master(listeners=listeners["master"])
+        cluster.start_twistd("persister1", "event_persister", listeners=listeners["persister1"])
+        cluster.start_twistd("persister2", "event_persister")
+        for name in WRITERS:
+            yield wait_until(lambda name=name: cluster.healthy(name), 120, f"{name} healthy")
+        workload = Workload([f"http://127.0.0.1:{p}" for p in ports.values()], users=8, rooms=12,
+                            members_per_room=3, messages=300, concurrency=8, seed=9, room_shards=WRITERS)
+        self.addCleanup(lambda: ensureDeferred(workload.close()))
+        yield ensureDeferred(workload.setup())
+        chains = ensureDeferred(workload.sync_chains())
+        yield ensureDeferred(workload.send_messages())
+        workload.stop_syncing()
+        yield chains
+        yield ensureDeferred(workload.drain())
+        report = workload.verify()
+        self.assertEqual((report.sent, report.send_errors, report.lost), (300, 0, 0), report.as_dict())
+        deleted_logs = 0
+        for directory in glob.glob(os.path.join(audit_dir, "*_logs", "*")):
+            parts = sorted(glob.glob(os.path.join(directory, "part-*.jsonl")),
+                           key=lambda p: int(p.rsplit("-", 1)[1].split(".")[0]))
+            numbers = [int(p.rsplit("-", 1)[1].split(".")[0]) for p in parts]
+            rotated = sum(os.path.getsize(p) for p in parts[:-1])
+            # Files are checked at each rotation; the active file may have grown by one batch since.
+            self.assertLessEqual(rotated, RETENTION_KEEP_BYTES + RETENTION_MAX_BYTES, (directory, numbers))
+            if numbers and numbers[0] > 1:
+                deleted_logs += 1
+                self.assertEqual(numbers, list(range(numbers[0], numbers[-1] + 1)))  # only the oldest went
+        self.assertGreater(deleted_logs, 0, "retention deleted nothing")
+        logs = "".join(cluster.log_tail(n, 10**7) for n in ("master", *WRITERS))
+        self.assertIn("audit retention deleted", logs)
