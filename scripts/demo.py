@@ -35,13 +35,17 @@ import urllib.request
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, ROOT)
 
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from twisted.internet import reactor  # noqa: E402
 from twisted.internet.defer import ensureDeferred  # noqa: E402
 
+from scripts.prereqs import check_java, check_ports  # noqa: E402
 from synflow.tools.deploy import DEFAULT_PORTS, free_port, make_deployment  # noqa: E402
 from synflow.tools.workload import Workload  # noqa: E402
 
 PEER = "peer.localhost"
+#: The peer deployment listens on the default ports plus this.
+PEER_PORT_OFFSET = 10000
 
 
 def step(msg: str) -> None:
@@ -67,11 +71,12 @@ def cache_hit_rate(metric_urls: list[str]) -> tuple[float, int, int]:
             text = urllib.request.urlopen(url, timeout=5).read().decode()
         except OSError:
             continue
-        for line in text.splitlines():
-            if line.startswith("synflow_cache_hits_total"):
-                hits += float(line.rsplit(" ", 1)[1])
-            elif line.startswith("synflow_cache_misses_total"):
-                misses += float(line.rsplit(" ", 1)[1])
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "synflow_cache_hits_total":
+                    hits += sample.value
+                elif sample.name == "synflow_cache_misses_total":
+                    misses += sample.value
     total = hits + misses
     return (hits / total if total else 0.0), int(hits), int(misses)
 
@@ -141,11 +146,16 @@ def main() -> int:
     parser.add_argument("--keep-running", action="store_true", help="leave both deployments running")
     args = parser.parse_args()
 
+    problems = check_java() + ([] if args.free_ports else check_ports(p + off for p in DEFAULT_PORTS for off in (0, PEER_PORT_OFFSET)))
+    if problems:
+        for problem in problems:
+            print(f"demo: {problem}", file=sys.stderr)
+        return 1
     out = os.path.abspath(args.out)
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     home_ports = {p: (free_port() if args.free_ports else p) for p in DEFAULT_PORTS}
-    peer_ports = {p: (free_port() if args.free_ports else p + 10000) for p in DEFAULT_PORTS}
+    peer_ports = {p: (free_port() if args.free_ports else p + PEER_PORT_OFFSET) for p in DEFAULT_PORTS}
     home_dir, peer_dir = os.path.join(out, "localhost"), os.path.join(out, PEER)
     make_deployment(home_dir, "localhost", home_ports, peer=PEER, peer_url=f"http://127.0.0.1:{peer_ports[8008]}")
     make_deployment(peer_dir, PEER, peer_ports, peer="localhost", peer_url=f"http://127.0.0.1:{home_ports[8008]}",

@@ -15,6 +15,7 @@ docs/configuration.md documents every key; keep the two in step.
 from __future__ import annotations
 
 import enum
+import importlib.util
 import os
 import types
 import typing
@@ -24,6 +25,7 @@ from typing import Any, Literal, TypeVar, get_args, get_origin
 import attrs
 import yaml
 
+from synflow.endpoints import endpoint_problem, tcp_address
 from synflow.errors import ConfigError
 
 T = TypeVar("T")
@@ -185,7 +187,21 @@ class LimitsConfig:
     sync_max_limit: int = 1000
 
 
+@attrs.frozen
+class LoggingConfig:
+    """``logging:`` -- the process log's format, rotation and levels."""
+
+    format: Literal["text", "json"] = "text"
+    #: Rotate the log file past this size ...
+    max_bytes: int = 10 * 1024 * 1024
+    #: ... keeping this many rotated files (the oldest is deleted).
+    backups: int = 5
+    #: Level per logger name (a stdlib logger or a Twisted log namespace), e.g. ``synflow.federation: DEBUG``.
+    levels: dict[str, str] = attrs.Factory(dict)
+
+
 RESOURCES = ("client", "federation", "metrics")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 @attrs.frozen
@@ -216,6 +232,7 @@ class SynflowConfig:
     listeners: list[Listener] = attrs.Factory(list)
     log_file: str | None = None
     log_level: str = "INFO"
+    logging: LoggingConfig = LoggingConfig()
     pid_file: str | None = None
     #: The files this config came from, in order (not a YAML key).
     files: tuple[str, ...] = ()
@@ -523,13 +540,21 @@ def validate(config: SynflowConfig, origins: Mapping[str, str]) -> None:
     for i, listener in enumerate(config.listeners):
         if not listener.resources:
             raise config_error(origins, f"listeners[{i}].resources", "lists nothing to serve")
-    if config.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+    if config.log_level.upper() not in LOG_LEVELS:
         raise config_error(origins, "log_level", f"must be DEBUG, INFO, WARNING or ERROR, got {config.log_level!r}")
+    for name, level in config.logging.levels.items():
+        if not isinstance(level, str) or level.upper() not in LOG_LEVELS:
+            raise config_error(origins, f"logging.levels.{name}", f"must be DEBUG, INFO, WARNING or ERROR, got {level!r}")
+    if config.logging.max_bytes < 1024:
+        raise config_error(origins, "logging.max_bytes", f"must be at least 1024, got {config.logging.max_bytes!r}")
+    if config.logging.backups < 1:
+        raise config_error(origins, "logging.backups", f"must be at least 1, got {config.logging.backups!r}")
     for name, url in config.federation.destinations.items():
         if not url.startswith(("http://", "https://")):
             raise config_error(origins, f"federation.destinations.{name}", f"must be an http:// or https:// URL, got {url!r}")
     _check_federation(config.federation, origins)
     _check_audit_and_limits(config, origins)
+    _check_drivers(config, origins)
 
 
 def _check_audit_and_limits(config: SynflowConfig, origins: Mapping[str, str]) -> None:
@@ -546,6 +571,25 @@ def _check_audit_and_limits(config: SynflowConfig, origins: Mapping[str, str]) -
     for key, value in positive.items():
         if value is not None and not value > 0:
             raise config_error(origins, key, f"must be greater than 0 (or null to switch it off), got {value!r}")
+
+
+#: The optional driver each backend needs, and the extra that installs it.
+_DRIVERS = {"psycopg2": "postgres", "txredisapi": "redis"}
+
+
+def _check_drivers(config: SynflowConfig, origins: Mapping[str, str]) -> None:
+    """The PostgreSQL and Redis drivers are extras: name the missing one and how to install it."""
+    needs: list[tuple[str, str]] = []
+    if config.database.engine == "postgres":
+        needs.append(("database.engine", "psycopg2"))
+    if config.replication.transport is Transport.REDIS:
+        needs.append(("replication.transport", "txredisapi"))
+    if config.caches.tier is not None:
+        needs.append(("caches.tier", "txredisapi"))
+    for key, module in needs:
+        if importlib.util.find_spec(module) is None:
+            raise config_error(origins, key, f"needs the {module} package, which is not installed: "
+                                             f"pip install 'synflow[{_DRIVERS[module]}]'")
 
 
 def _check_federation(federation: FederationConfig, origins: Mapping[str, str]) -> None:
@@ -583,15 +627,9 @@ def _check_secret_file(origins: Mapping[str, str], key: str, path: str | None) -
 
 
 def listener_port(endpoint: str) -> int | None:
-    """The TCP port a server endpoint description listens on, if it is TCP."""
-    parts = endpoint.split(":")
-    if parts and parts[0] in ("tcp", "ssl") and len(parts) > 1:
-        for part in parts[1:]:
-            if part.isdigit():
-                return int(part)
-            if part.startswith("port="):
-                return int(part[5:]) if part[5:].isdigit() else None
-    return None
+    """The TCP port a server endpoint description listens on (tcp, tcp6, ssl); None for unix, systemd, ..."""
+    address = tcp_address(endpoint)
+    return address[1] if address is not None else None
 
 
 def _check_ports(config: SynflowConfig, origins: Mapping[str, str]) -> None:
@@ -605,10 +643,10 @@ def _check_ports(config: SynflowConfig, origins: Mapping[str, str]) -> None:
         seen[port] = key
 
     for i, listener in enumerate(config.listeners):
-        port = listener_port(listener.endpoint)
-        if port is None and not listener.endpoint.startswith(("unix:", "tcp:0", "tcp:port=0")):
-            raise config_error(origins, f"listeners[{i}].endpoint", f"not a server endpoint description: {listener.endpoint!r}")
-        claim(port, f"listeners[{i}].endpoint")
+        problem = endpoint_problem(listener.endpoint)
+        if problem is not None:
+            raise config_error(origins, f"listeners[{i}].endpoint", problem)
+        claim(listener_port(listener.endpoint), f"listeners[{i}].endpoint")
     own = config.instance_map.get(config.instance_name)
     if own is not None:
         claim(own.port, f"instance_map.{config.instance_name}.port")

@@ -14,6 +14,7 @@ serves ``/health`` and ``/metrics`` on its internal listener and on its
 from __future__ import annotations
 
 import logging
+import os
 import random
 import secrets
 from typing import Any
@@ -23,6 +24,7 @@ from twisted.internet.defer import Deferred, succeed
 
 from synflow.app.base import ProcessService
 from synflow.app.services import ListeningService
+from synflow.app.systemd import SystemdNotifier
 from synflow.caching import (
     CacheRegistry,
     TierInvalidator,
@@ -114,6 +116,7 @@ class SynflowProcess(ProcessService):
         handler = self.replication.handler
         me = config.instance_name
         self.listeners = {}
+        SystemdNotifier(self.health_problems, self.reactor, os.environ.get("NOTIFY_SOCKET")).setServiceParent(self.app_services)
         self.store = DataStore(self.db)
         self.setup_caches(handler)
         positions = PositionSource(handler, config.replication.wait_for_position_timeout_s)

@@ -43,7 +43,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, Final, Protocol
 
 import attrs
-import txredisapi
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.python.failure import Failure
@@ -305,6 +304,8 @@ def open_tier(reactor: Any, config: CacheConfig, prefix: str) -> CacheTier | Non
         endpoint = redis_endpoint(reactor, cfg)
     except OSError as e:
         raise ConfigError(f"cannot read a Redis TLS or password file: {e}", key="caches.tier") from None
+    import txredisapi  # the optional Redis driver (the ``redis`` extra); config validation checks it is there
+
     factory = txredisapi.RedisFactory(None, cfg.dbid or None, 1, isLazy=True, password=password,
                                       replyTimeout=TIER_TIMEOUT_S * 5, convertNumbers=False)
     factory.maxDelay = 5

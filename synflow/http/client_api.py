@@ -105,6 +105,7 @@ class ClientApi(JsonResource):
         requester = await self.store.get_user_by_access_token(token)
         if requester is None:
             raise HttpApiError(401, "M_UNKNOWN_TOKEN", "unknown access token")
+        request.synflow_user = requester.user_id  # type: ignore[attr-defined]  # for the access log
         return requester
 
     def _rate_limit(self, key: str, request: Request | None = None, bucket: TokenBucket | None = None) -> None:

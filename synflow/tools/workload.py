@@ -15,8 +15,9 @@ benchmarks.
 from __future__ import annotations
 
 import random
+import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -69,15 +70,20 @@ class Report:
         return d
 
 
+def quantile(values: Iterable[float], q: float) -> float:
+    """The ``q`` quantile (0 < q <= 1, in steps of 0.01) of ``values``, by :func:`statistics.quantiles`; 0.0 if empty."""
+    data = [float(v) for v in values]
+    if len(data) < 2:
+        return data[0] if data else 0.0
+    if q >= 1:
+        return max(data)
+    return statistics.quantiles(data, n=100, method="inclusive")[max(0, round(q * 100) - 1)]
+
+
 def percentiles(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"p50": 0.0, "p95": 0.0, "p99": 0.0, "max": 0.0}
-    ordered = sorted(values)
-
-    def pick(q: float) -> float:
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-    return {"p50": pick(0.50), "p95": pick(0.95), "p99": pick(0.99), "max": ordered[-1]}
+    """p50, p95, p99 and the maximum of ``values`` (all 0.0 if empty)."""
+    return {"p50": quantile(values, 0.50), "p95": quantile(values, 0.95), "p99": quantile(values, 0.99),
+            "max": max(values, default=0.0)}
 
 
 def _deferred(coro: Any) -> Any:
