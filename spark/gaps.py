@@ -34,8 +34,8 @@ from dataclasses import asdict, dataclass
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
-from spark.common import lit
-from spark.inputs import InputError, Table, micros
+from .common import lit
+from .inputs import InputError, Table, micros
 
 #: At most this many gap rows are read from one log (more means a log that failed constantly).
 MAX_GAP_ROWS = 100_000

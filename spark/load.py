@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pyspark.sql import DataFrame, Observation, SparkSession, Window
 from pyspark.sql import functions as F
 
-from spark.common import materialise
-from spark.gaps import Gaps, read_gaps
-from spark.inputs import CORRUPT, InputError, Table, first_line, micros, read_table
+from .common import materialise
+from .gaps import Gaps, read_gaps
+from .inputs import CORRUPT, InputError, Table, first_line, micros, read_table
 
 
 @dataclass

@@ -49,7 +49,6 @@ from twisted.python.failure import Failure
 
 from synflow.config import CacheConfig
 from synflow.errors import ConfigError, SynflowError
-from synflow.replication.redis import redis_endpoint, redis_password
 from synflow.sharding import shard_for
 
 #: How long a tier request may take before the reader gives up and reads the
@@ -299,13 +298,16 @@ def open_tier(reactor: Any, config: CacheConfig, prefix: str) -> CacheTier | Non
     cfg = config.tier
     if cfg is None:
         return None
+    # The Redis driver is optional (the ``redis`` extra); config validation checks it is there.
+    import txredisapi
+
+    from synflow.replication.redis import redis_endpoint, redis_password
+
     try:
         password = redis_password(cfg)
         endpoint = redis_endpoint(reactor, cfg)
     except OSError as e:
         raise ConfigError(f"cannot read a Redis TLS or password file: {e}", key="caches.tier") from None
-    import txredisapi  # the optional Redis driver (the ``redis`` extra); config validation checks it is there
-
     factory = txredisapi.RedisFactory(None, cfg.dbid or None, 1, isLazy=True, password=password,
                                       replyTimeout=TIER_TIMEOUT_S * 5, convertNumbers=False)
     factory.maxDelay = 5
