@@ -1,7 +1,7 @@
 # Shared by scripts/test, scripts/demo, scripts/bench and scripts/synflowctl:
 # create or update the project virtualenv ($SYNFLOW_VENV, default .venv) with
 # the extras the calling script needs ($SYNFLOW_EXTRAS, comma-separated, set by
-# the caller) and activate it. A virtualenv left half-made by an interrupted or
+# the caller; installing one never removes another) and activate it. A virtualenv left half-made by an interrupted or
 # failed `python -m venv` is detected and rebuilt.
 VENV="${SYNFLOW_VENV:-.venv}"
 PY="${PYTHON:-python3}"
@@ -29,16 +29,32 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
-# The stamp lists the extras installed so far; reinstall when the metadata
-# changed or a caller needs an extra that is not there yet.
+# Reinstall when the metadata changed since the last install, or when a
+# requirement of synflow or of a wanted extra is not installed.
 stamp="$VENV/.synflow-install-stamp"
-installed="$(cat "$stamp" 2>/dev/null || true)"
-wanted="$(printf '%s\n' "${installed//,/$'\n'}" "${EXTRAS//,/$'\n'}" | sed '/^$/d' | sort -u | paste -sd, -)"
-if [ ! -f "$stamp" ] || [ setup.cfg -nt "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$wanted" != "$installed" ]; then
-    echo "==> installing synflow${wanted:+[$wanted]} into $VENV (first run takes a few minutes)"
+missing="$(python - "$EXTRAS" <<'PY' 2>/dev/null || echo "synflow"
+import sys
+from importlib.metadata import PackageNotFoundError, requires, version
+from packaging.requirements import Requirement
+extras = {e for e in sys.argv[1].split(",") if e}
+missing = []
+for line in requires("synflow") or []:
+    req = Requirement(line)
+    if req.marker is not None and not any(req.marker.evaluate({"extra": e}) for e in extras):
+        continue
+    try:
+        if not req.specifier.contains(version(req.name), prereleases=True):
+            missing.append(req.name)
+    except PackageNotFoundError:
+        missing.append(req.name)
+print(" ".join(missing))
+PY
+)"
+if [ ! -f "$stamp" ] || [ setup.cfg -nt "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ -n "$missing" ]; then
+    echo "==> installing synflow${EXTRAS:+[$EXTRAS]} into $VENV (first run takes a few minutes)"
     python -m pip install --quiet --upgrade pip setuptools wheel
-    python -m pip install --quiet -e ".${wanted:+[$wanted]}"
-    printf '%s' "$wanted" > "$stamp"
+    python -m pip install --quiet -e ".${EXTRAS:+[$EXTRAS]}"
+    touch "$stamp"
 fi
 # Write Twisted's plugin cache once so twistd does not warn on every start.
 python -c "from twisted.plugin import IPlugin, getPlugins; list(getPlugins(IPlugin))" >/dev/null 2>&1 || true

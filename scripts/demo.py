@@ -3,14 +3,17 @@
 
 1. Copies the default deployment (``workers/``) into ``OUT/localhost/`` and a
    small peer deployment (master, one persister, one federation sender) into
-   ``OUT/peer.localhost/``, each federating with the other; starts both with
-   ``synflowctl`` (every process through twistd).
+   ``OUT/peer.localhost/``, each federating with the other (a server sends to
+   the other's ``federation`` listener: 8448, and 18448 for the peer, whose
+   ports are the defaults + 10000); starts both with ``synflowctl`` (every
+   process through twistd).
 2. Registers users on both servers, creates rooms shared across them, and
    sends messages through both client APIs while every user runs a sync
    chain (a progress bar shows the sends).
 3. Waits until every chain has every message of its rooms, local or
    federated.
-4. Runs the Spark token validator over each deployment's audit logs.
+4. Runs the Spark token validator over each deployment's audit logs, in one
+   Spark session.
 5. Prints a report (events/s, send->sync latency, federation delivered /
    expected, cache hit rate, validator verdict), writes it as
    ``OUT/report.md`` with a latency plot ``OUT/latency.png``, stops
@@ -40,7 +43,13 @@ from twisted.internet import reactor  # noqa: E402
 from twisted.internet.defer import ensureDeferred  # noqa: E402
 
 from scripts.prereqs import check_java, check_ports  # noqa: E402
-from synflow.tools.deploy import DEFAULT_PORTS, free_port, make_deployment  # noqa: E402
+from synflow.tools.deploy import (  # noqa: E402
+    CLIENT_PORT,
+    DEFAULT_PORTS,
+    FEDERATION_PORT,
+    free_port,
+    make_deployment,
+)
 from synflow.tools.workload import Workload  # noqa: E402
 
 PEER = "peer.localhost"
@@ -81,17 +90,34 @@ def cache_hit_rate(metric_urls: list[str]) -> tuple[float, int, int]:
     return (hits / total if total else 0.0), int(hits), int(misses)
 
 
-def run_validator(logs: str, out: str) -> tuple[int, dict]:
-    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable)
-    result = subprocess.run([sys.executable, "-m", "spark.validate_tokens", "--logs", logs, "--out", out],
-                            cwd=ROOT, env=env)
-    summary = {}
+def run_validators(jobs: list[tuple[str, str, str]]) -> dict[str, tuple[int, dict]]:
+    """Validate each ``(name, logs, out)`` in one Spark session; the exit code and summary per name."""
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    from spark.cli import parse_args
+    from spark.session import get_session
+    from spark.validate_tokens import run
+
     try:
-        with open(os.path.join(out, "summary.json"), encoding="utf-8") as f:
-            summary = json.load(f)
-    except (OSError, ValueError):
-        pass
-    return result.returncode, summary
+        spark = get_session(None, None, "2g", app_name="synflow-demo-validator")
+    except Exception as e:  # no JVM: every verdict is an internal failure
+        print(f"demo: cannot start Spark: {e}", file=sys.stderr)
+        return {name: (3, {}) for name, _, _ in jobs}
+    verdicts = {}
+    try:
+        for name, logs, out in jobs:
+            step(f"validating {name}'s tokens with Spark")
+            code = run(spark, parse_args(["--logs", logs, "--out", out]))
+            summary = {}
+            try:
+                with open(os.path.join(out, "summary.json"), encoding="utf-8") as f:
+                    summary = json.load(f)
+            except (OSError, ValueError):
+                pass
+            verdicts[name] = (code, summary)
+    finally:
+        spark.stop()
+    return verdicts
 
 
 def plot(latencies: list[float], path: str) -> None:
@@ -132,6 +158,26 @@ async def traffic(args: argparse.Namespace, servers: dict[str, list[str]]) -> Wo
     return workload
 
 
+def make_deployments(home_dir: str, peer_dir: str, home_ports: dict[int, int],
+                     peer_ports: dict[int, int]) -> dict[str, list[str]]:
+    """Write the two deployments: ``workers/`` as localhost, and the small peer.
+
+    Each server sends federation traffic to the other's federation listener
+    (``FEDERATION_PORT`` through its port map); clients use the client
+    listeners.
+
+    Returns:
+        server name -> the URLs of its client API.
+    """
+    make_deployment(home_dir, "localhost", home_ports, peer=PEER,
+                    peer_url=f"http://127.0.0.1:{peer_ports[FEDERATION_PORT]}")
+    make_deployment(peer_dir, PEER, peer_ports, peer="localhost",
+                    peer_url=f"http://127.0.0.1:{home_ports[FEDERATION_PORT]}",
+                    processes=["master", "persister1", "federation_sender1"], writers=["persister1"])
+    return {"localhost": [f"http://127.0.0.1:{home_ports[CLIENT_PORT]}"],
+            PEER: [f"http://127.0.0.1:{peer_ports[CLIENT_PORT]}"]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--messages", type=int, default=3000)
@@ -157,10 +203,7 @@ def main() -> int:
     home_ports = {p: (free_port() if args.free_ports else p) for p in DEFAULT_PORTS}
     peer_ports = {p: (free_port() if args.free_ports else p + PEER_PORT_OFFSET) for p in DEFAULT_PORTS}
     home_dir, peer_dir = os.path.join(out, "localhost"), os.path.join(out, PEER)
-    make_deployment(home_dir, "localhost", home_ports, peer=PEER, peer_url=f"http://127.0.0.1:{peer_ports[8008]}")
-    make_deployment(peer_dir, PEER, peer_ports, peer="localhost", peer_url=f"http://127.0.0.1:{home_ports[8008]}",
-                    processes=["master", "persister1", "federation_sender1"], writers=["persister1"])
-    servers = {"localhost": [f"http://127.0.0.1:{home_ports[8008]}"], PEER: [f"http://127.0.0.1:{peer_ports[8008]}"]}
+    servers = make_deployments(home_dir, peer_dir, home_ports, peer_ports)
 
     started = []
     code = 1
@@ -196,10 +239,8 @@ def main() -> int:
             for directory in reversed(started):
                 ctl(directory, "stop")
             started = []
-        verdicts = {}
-        for name, directory in (("localhost", home_dir), (PEER, peer_dir)):
-            step(f"validating {name}'s tokens with Spark")
-            verdicts[name] = run_validator(os.path.join(directory, "var", "audit"), os.path.join(out, f"validator-{name}"))
+        verdicts = run_validators([(name, os.path.join(directory, "var", "audit"), os.path.join(out, f"validator-{name}"))
+                                   for name, directory in (("localhost", home_dir), (PEER, peer_dir))])
         plot(report.latencies_ms, os.path.join(out, "latency.png"))
         code = write_report(out, args, report, traffic_s, hit_rate, hits, misses, verdicts)
         return code

@@ -142,6 +142,8 @@ class FederationConfig:
     allowed_origins: list[str] | None = None
     verify_tls: bool = True
     max_body_bytes: int = 2 * 1024 * 1024
+    #: Catch-up sends every unacknowledged event up to this many per destination; past it, the latest per room.
+    catch_up_max_events: int = 10_000
 
 
 @attrs.frozen
@@ -200,16 +202,19 @@ class LoggingConfig:
     levels: dict[str, str] = attrs.Factory(dict)
 
 
-RESOURCES = ("client", "federation", "metrics")
+#: Every resource a listener may name (what each serves: synflow/listeners.py).
+RESOURCES = ("client", "federation", "metrics", "health", "replication", "rpc")
+#: The largest ``federation.catch_up_max_events`` accepted.
+MAX_CATCH_UP_MAX_EVENTS = 1_000_000
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 @attrs.frozen
 class Listener:
-    """One HTTP listener of this process: an endpoint and what it serves."""
+    """One configured listener of this process: an endpoint and exactly what it serves."""
 
     endpoint: str
-    resources: list[Literal["client", "federation", "metrics"]]
+    resources: list[Literal["client", "federation", "metrics", "health", "replication", "rpc"]]
 
 
 @attrs.frozen
@@ -251,7 +256,11 @@ class SynflowConfig:
         return _secret(self.replication.secret, self.replication.secret_file)
 
     def listener(self, kind: str) -> Listener | None:
-        """This process's listener serving ``kind``, if it has one."""
+        """This process's configured listener serving ``kind``, if any.
+
+        The internal listener and the hub are implied, not configured:
+        :func:`synflow.listeners.serving` covers them too.
+        """
         for listener in self.listeners:
             if kind in listener.resources:
                 return listener
@@ -534,12 +543,9 @@ def validate(config: SynflowConfig, origins: Mapping[str, str]) -> None:
         raise config_error(origins, "replication.ping_timeout_s", "must be longer than replication.ping_interval_s")
     if not 0 < config.replication.high_water <= config.replication.hard_limit:
         raise config_error(origins, "replication.high_water", "need 0 < high_water <= hard_limit")
-    for kind in RESOURCES:
-        if sum(1 for listener in config.listeners if kind in listener.resources) > 1:
-            raise config_error(origins, "listeners", f"more than one listener serves {kind!r}")
-    for i, listener in enumerate(config.listeners):
-        if not listener.resources:
-            raise config_error(origins, f"listeners[{i}].resources", "lists nothing to serve")
+    from synflow.listeners import check_listeners  # it reads the config types defined here
+
+    check_listeners(config, lambda key, message: config_error(origins, key, message))
     if config.log_level.upper() not in LOG_LEVELS:
         raise config_error(origins, "log_level", f"must be DEBUG, INFO, WARNING or ERROR, got {config.log_level!r}")
     for name, level in config.logging.levels.items():
@@ -614,6 +620,9 @@ def _check_federation(federation: FederationConfig, origins: Mapping[str, str]) 
                            f"must be at least 1 (1 keeps the interval fixed), got {backoff.multiplier!r}")
     if not 0 <= backoff.jitter < 1:
         raise config_error(origins, "federation.backoff.jitter", f"must be in [0, 1), got {backoff.jitter!r}")
+    if not 0 <= federation.catch_up_max_events <= MAX_CATCH_UP_MAX_EVENTS:
+        raise config_error(origins, "federation.catch_up_max_events",
+                           f"must be in [0, {MAX_CATCH_UP_MAX_EVENTS}], got {federation.catch_up_max_events!r}")
 
 
 def _check_secret_file(origins: Mapping[str, str], key: str, path: str | None) -> None:
@@ -642,13 +651,12 @@ def _check_ports(config: SynflowConfig, origins: Mapping[str, str]) -> None:
             raise config_error(origins, key, f"port {port} is already used by {seen[port]}")
         seen[port] = key
 
+    from synflow.listeners import effective_listeners  # it reads the config types defined here
+
     for i, listener in enumerate(config.listeners):
         problem = endpoint_problem(listener.endpoint)
         if problem is not None:
             raise config_error(origins, f"listeners[{i}].endpoint", problem)
-        claim(listener_port(listener.endpoint), f"listeners[{i}].endpoint")
-    own = config.instance_map.get(config.instance_name)
-    if own is not None:
-        claim(own.port, f"instance_map.{config.instance_name}.port")
-    if config.app == "master" and config.replication.transport is Transport.TCP:
-        claim(config.replication.hub.port, "replication.hub.port")
+    # The configured listeners, the internal listener and the hub.
+    for served in effective_listeners(config):
+        claim(listener_port(served.endpoint), served.key)

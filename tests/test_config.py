@@ -157,6 +157,8 @@ class ConfigTest(_ConfigFiles):
             ("wakeup_interval_s: -5", "federation.wakeup_interval_s", "must be greater than 0"),
             ("request_timeout_s: 0", "federation.request_timeout_s", "must be greater than 0"),
             ("request_timeout_s: .nan", "federation.request_timeout_s", "must be greater than 0"),
+            ("catch_up_max_events: -1", "federation.catch_up_max_events", "must be in [0, 1000000]"),
+            ("catch_up_max_events: 1000001", "federation.catch_up_max_events", "must be in [0, 1000000]"),
         ]
         for federation, key, fragment in cases:
             self.assertConfigError("shared.yaml", key, fragment, shared=SHARED + f"federation: {{{federation}}}\n")
@@ -193,6 +195,7 @@ class ConfigTest(_ConfigFiles):
         backoff = federation.backoff
         self.assertEqual((backoff.initial_s, backoff.multiplier, backoff.max_s, backoff.jitter), (10.0, 2.0, 86400.0, 0.2))
         self.assertEqual(federation.destinations, {})
+        self.assertEqual(federation.catch_up_max_events, 10_000)
 
 
 def _workers_config(name: str, *extra: str, overrides: dict | None = None):
@@ -210,7 +213,7 @@ class DefaultDeploymentTest(SynchronousTestCase):
     PROCESSES = ("master", "persister1", "persister2", "federation_sender1", "cache_invalidator1")
 
     def test_addresses(self):
-        """Server localhost; the master serves client and federation on 127.0.0.1:8008; the hub is 127.0.0.1:9092; everything else is on loopback."""
+        """Server localhost; the master serves the client API alone on 127.0.0.1:8008 and federation alone on 127.0.0.1:8448; the hub is 127.0.0.1:9092; everything else is on loopback."""
         for name in self.PROCESSES:
             config = _workers_config(name)
             self.assertEqual(config.server_name, "localhost")
@@ -228,8 +231,10 @@ class DefaultDeploymentTest(SynchronousTestCase):
             if name != "master":
                 self.assertIsNone(config.listener("client"), name)
         master = _workers_config("master")
-        for kind in ("client", "federation"):
-            self.assertEqual(master.listener(kind).endpoint, "tcp:8008:interface=127.0.0.1")
+        self.assertEqual(master.listener("client").endpoint, "tcp:8008:interface=127.0.0.1")
+        self.assertEqual(master.listener("client").resources, ["client"])
+        self.assertEqual(master.listener("federation").endpoint, "tcp:8448:interface=127.0.0.1")
+        self.assertEqual(master.listener("federation").resources, ["federation"])
         self.assertEqual(master.event_writers, ["persister1", "persister2"])
         self.assertEqual(master.federation_sender_instances, ["federation_sender1"])
         self.assertEqual(master.caches.cache_invalidator_instances, ["cache_invalidator1"])

@@ -1,11 +1,12 @@
-"""Listener sites: a root that dispatches by path prefix, plus /health and /metrics.
+"""Listener sites: a root that dispatches by path prefix, plus /health and /metrics where asked.
 
-Every synflow process serves ``/health`` (200 when started and connected to
+A site serves exactly what is mounted on it; any other path is 404
+``M_UNRECOGNIZED``. ``/health`` (200 when started and connected to
 replication and the database -- ``"status": "degraded"`` with the reasons when
 something non-fatal is wrong, such as an audit log that cannot write -- 503
 with the reasons otherwise) and Prometheus
-``/metrics`` on its internal listener and on its ``metrics`` listener; the
-client API and inbound federation are mounted on their listeners.
+``/metrics`` are mounted only on the listeners that name the ``health`` and
+``metrics`` resources (synflow/listeners.py).
 
 A mounted resource may declare its own body limit as ``max_body_bytes``
 (inbound federation ``/send`` does): the site then buffers bodies up to the
@@ -141,8 +142,9 @@ class _PerResourceLimitSite(JsonSite):
         self.buffer_max_body_bytes = buffer_max_body_bytes
 
 
-def build_site(mounts: dict[str, Resource], *, health: HealthResource, max_body_bytes: int) -> JsonSite:
-    """A site serving ``mounts`` plus /health and /metrics.
+def build_site(mounts: dict[str, Resource], *, max_body_bytes: int, health: HealthResource | None = None,
+               metrics: bool = False) -> JsonSite:
+    """A site serving ``mounts``, plus ``/health`` if ``health`` is given and ``/metrics`` if ``metrics``.
 
     ``max_body_bytes`` bounds request bodies, except for a mounted resource
     declaring its own ``max_body_bytes``, whose limit applies to its requests.
@@ -150,10 +152,12 @@ def build_site(mounts: dict[str, Resource], *, health: HealthResource, max_body_
     root = PrefixRoot()
     for prefix, resource in mounts.items():
         root.mount(prefix, resource)
-    root.mount("/health", health)
-    metrics = MetricsResource(registry=REGISTRY)
-    metrics.isLeaf = True
-    root.mount("/metrics", metrics)
+    if health is not None:
+        root.mount("/health", health)
+    if metrics:
+        prometheus = MetricsResource(registry=REGISTRY)
+        prometheus.isLeaf = True
+        root.mount("/metrics", prometheus)
     own = [o for o in (getattr(r, "max_body_bytes", None) for r in mounts.values()) if o is not None]
     if not own:
         return JsonSite(root, max_body_bytes=max_body_bytes)
