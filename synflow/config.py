@@ -119,6 +119,8 @@ class DatabaseSection:
     cp_min: int | None = None
     cp_max: int | None = None
     connect_timeout_s: float | None = None
+    #: SQLite only: ``full`` (default) or ``normal`` (see docs/reliability.md).
+    synchronous: Literal["full", "normal"] = "full"
     repair_positions: bool = True
 
 
@@ -170,6 +172,10 @@ class AuditConfig:
     #: None: ``<data_dir>/audit``.
     dir: str | None = None
     max_bytes: int = 64 * 1024 * 1024
+    #: Per log of a process: delete the oldest rotated files beyond this many bytes (None: keep all).
+    retain_bytes: int | None = 4 * 1024 * 1024 * 1024
+    #: Delete rotated files older than this many days (None: keep all).
+    retain_days: float | None = None
 
 
 @attrs.frozen
@@ -179,8 +185,12 @@ class LimitsConfig:
     max_request_bytes: int = 1024 * 1024
     max_event_bytes: int = 64 * 1024
     max_json_depth: int = 64
-    rate_limit_per_s: float | None = None
-    rate_limit_burst: int = 50
+    #: Sends (and other writes) per second per user; None switches the limit off.
+    rate_limit_per_s: float | None = 100.0
+    rate_limit_burst: int = 500
+    #: Syncs per second per access token (user and device); None switches the limit off.
+    sync_rate_limit_per_s: float | None = 50.0
+    sync_rate_limit_burst: int = 200
     sync_max_timeout_ms: int = 60_000
     sync_default_limit: int = 100
     sync_max_limit: int = 1000
@@ -563,7 +573,24 @@ def validate(config: SynflowConfig, origins: Mapping[str, str]) -> None:
         if not url.startswith(("http://", "https://")):
             raise config_error(origins, f"federation.destinations.{name}", f"must be an http:// or https:// URL, got {url!r}")
     _check_federation(config.federation, origins)
+    _check_audit_and_limits(config, origins)
     _check_drivers(config, origins)
+
+
+def _check_audit_and_limits(config: SynflowConfig, origins: Mapping[str, str]) -> None:
+    """Range checks of ``audit:`` retention and the ``limits:`` rate limits."""
+    positive: dict[str, float | None] = {
+        "audit.max_bytes": config.audit.max_bytes,
+        "audit.retain_bytes": config.audit.retain_bytes,
+        "audit.retain_days": config.audit.retain_days,
+        "limits.rate_limit_per_s": config.limits.rate_limit_per_s,
+        "limits.sync_rate_limit_per_s": config.limits.sync_rate_limit_per_s,
+        "limits.rate_limit_burst": config.limits.rate_limit_burst,
+        "limits.sync_rate_limit_burst": config.limits.sync_rate_limit_burst,
+    }
+    for key, value in positive.items():
+        if value is not None and not value > 0:
+            raise config_error(origins, key, f"must be greater than 0 (or null to switch it off), got {value!r}")
 
 
 #: The optional driver each backend needs, and the extra that installs it.

@@ -193,6 +193,24 @@ class ConfigTest(_ConfigFiles):
         self.assertEqual(config.signing_key_file, os.path.join(config.data_dir, "signing.key"))
         self.assertEqual(self.load(SHARED + "signing_key_path: /k/my.key\n").signing_key_file, "/k/my.key")
 
+    def test_audit_retention_and_rate_limit_ranges(self):
+        """Retention sizes, rate limits and database.synchronous are checked, naming file and key."""
+        cases = [
+            ("audit: {retain_bytes: 0}", "audit.retain_bytes", "must be greater than 0"),
+            ("audit: {retain_days: -1}", "audit.retain_days", "must be greater than 0"),
+            ("limits: {sync_rate_limit_per_s: 0}", "limits.sync_rate_limit_per_s", "must be greater than 0"),
+            ("limits: {rate_limit_burst: 0}", "limits.rate_limit_burst", "must be greater than 0"),
+            ("database: {synchronous: 'off'}", "database.synchronous", "must be one of full, normal"),
+        ]
+        for yaml_text, key, fragment in cases:
+            self.assertConfigError("shared.yaml", key, fragment, shared=SHARED + yaml_text + "\n")
+        config = self.load(SHARED + "audit: {retain_bytes: null, retain_days: 7}\n"
+                           "limits: {rate_limit_per_s: null, sync_rate_limit_per_s: null}\n")
+        self.assertEqual((config.audit.retain_bytes, config.audit.retain_days), (None, 7.0))
+        self.assertEqual((config.limits.rate_limit_per_s, config.limits.sync_rate_limit_per_s), (None, None))
+        default = self.load(SHARED)
+        self.assertEqual((default.database.synchronous, default.limits.sync_rate_limit_per_s), ("full", 50.0))
+
     def test_federation_defaults(self):
         """Without a federation section the documented defaults apply."""
         federation = self.load().federation

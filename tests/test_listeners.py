@@ -15,16 +15,8 @@ from synflow.errors import ConfigError
 from synflow.listeners import INTERNAL_RESOURCES, effective_listeners, hub_endpoint, serving
 from synflow.tools import ctl
 from tests.cluster import free_port
+from tests.test_config import SHARED, WORKERS
 
-WORKERS = os.path.join(os.path.dirname(__file__), "..", "workers")
-
-SHARED = """
-server_name: example.com
-instance_map:
-  master: {host: 127.0.0.1, port: 9093}
-  p1: {host: 127.0.0.1, port: 9094}
-stream_writers: {events: [p1]}
-"""
 MASTER = "app: master\ninstance_name: master\n"
 PERSISTER = "app: event_persister\ninstance_name: p1\n"
 

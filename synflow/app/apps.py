@@ -180,6 +180,7 @@ class SynflowProcess(ProcessService):
                 self.db, self.router, handler,
                 allowed_origins=allowed,
                 max_body_bytes=config.federation.max_body_bytes, max_json_depth=config.limits.max_json_depth,
+                clock=self.reactor,
                 missing_events=client,
             )
             self.missing_events = MissingEventsResource(
@@ -191,7 +192,7 @@ class SynflowProcess(ProcessService):
         if serving(config, "client") is not None:
             self.client_api = ClientApi(config.server_name, self.store, self.sync, self.router.persist,
                                         self.event_position, self.reactor, config.limits, queue_edus=self.queue_edus)
-        health = HealthResource(self.health_problems, self.health_details)
+        health = HealthResource(self.health_problems, self.health_details, self.health_degraded)
         for listener in effective_listeners(config):
             if not listener.is_http:
                 continue  # the replication hub (synflow/app/replication.py)
@@ -322,6 +323,11 @@ class SynflowProcess(ProcessService):
         if self.db_probe is not None and self.db_probe.problem is not None:
             problems.append(self.db_probe.problem)
         return problems
+
+    def health_degraded(self) -> list[str]:
+        """What ``/health`` reports as degraded (200, ``"status": "degraded"``): the audit log failing."""
+        problem = self.audit.problem if self.audit is not None else None
+        return [problem] if problem is not None else []
 
     def replication_address(self) -> str:
         """Where this process replicates through, for health messages."""

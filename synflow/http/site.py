@@ -2,7 +2,9 @@
 
 A site serves exactly what is mounted on it; any other path is 404
 ``M_UNRECOGNIZED``. ``/health`` (200 when started and connected to
-replication and the database, 503 with the reasons otherwise) and Prometheus
+replication and the database -- ``"status": "degraded"`` with the reasons when
+something non-fatal is wrong, such as an audit log that cannot write -- 503
+with the reasons otherwise) and Prometheus
 ``/metrics`` are mounted only on the listeners that name the ``health`` and
 ``metrics`` resources (synflow/listeners.py).
 
@@ -73,18 +75,27 @@ class _NotFound(Resource):
 
 
 class HealthResource(Resource):
-    """``/health``: 200 ``{"status": "ok"}`` or 503 with the problems."""
+    """``/health``: 200 ``{"status": "ok"}``, 200 ``"degraded"`` with warnings, or 503 with the problems.
+
+    ``degraded`` lists what is wrong but does not stop the process serving
+    correctly (the audit log cannot write, say): the status is ``degraded``,
+    the answer stays 200 and the reasons are under ``"degraded"``.
+    """
 
     isLeaf = True
 
-    def __init__(self, check: Callable[[], list[str]], details: Callable[[], dict[str, Any]] | None = None) -> None:
+    def __init__(self, check: Callable[[], list[str]], details: Callable[[], dict[str, Any]] | None = None,
+                 degraded: Callable[[], list[str]] | None = None) -> None:
         super().__init__()
         self.check = check
         self.details = details
+        self.degraded = degraded
 
     def render_GET(self, request: Request) -> bytes:
         problems = self.check()
-        body: dict[str, Any] = {"status": "ok" if not problems else "unhealthy", "problems": problems}
+        warnings = self.degraded() if self.degraded is not None else []
+        status = "unhealthy" if problems else "degraded" if warnings else "ok"
+        body: dict[str, Any] = {"status": status, "problems": problems, "degraded": warnings}
         if self.details is not None:
             body.update(self.details())
         request.setResponseCode(200 if not problems else 503)
