@@ -59,4 +59,5 @@ fi
 # Write Twisted's plugin cache once so twistd does not warn on every start.
 python -c "from twisted.plugin import IPlugin, getPlugins; list(getPlugins(IPlugin))" >/dev/null 2>&1 || true
 export SPARK_LOCAL_IP=127.0.0.1
-export PYSPARK_PYTHON="$PWD/$VENV/bin/python"
+PYSPARK_PYTHON="$(cd "$VENV" && pwd)/bin/python"  # absolute, whether $VENV is or not
+export PYSPARK_PYTHON

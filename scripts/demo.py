@@ -93,7 +93,7 @@ def cache_hit_rate(metric_urls: list[str]) -> tuple[float, int, int]:
 def run_validators(jobs: list[tuple[str, str, str]]) -> dict[str, tuple[int, dict]]:
     """Validate each ``(name, logs, out)`` in one Spark session; the exit code and summary per name."""
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ["PYSPARK_PYTHON"] = sys.executable  # Spark's Python workers run this interpreter
     from spark.cli import parse_args
     from spark.session import get_session
     from spark.validate_tokens import run
