@@ -254,10 +254,10 @@ class StatusStopRestartTest(SynchronousTestCase):
             self.addCleanup(FakeHealth(port, positions).close)
 
     def run_sleepers(self) -> dict[str, subprocess.Popen]:
-        """One child process per process of the deployment, its pid in the pidfile."""
+        """One child process per process of the deployment, its pid in the pidfile, marked as synflowctl marks it."""
         children = {}
         for proc in self.procs:
-            child = subprocess.Popen(["sleep", "120"])
+            child = subprocess.Popen(["sleep", "120"], env=dict(os.environ, **{ctl.PIDFILE_ENV: proc.pid_file}))
             self.sleepers.append(child.pid)
             children[proc.name] = child
             os.makedirs(os.path.dirname(proc.pid_file), exist_ok=True)

@@ -58,6 +58,7 @@ def makeService(options: Options) -> IService:
         if options["check-config"]:
             print(f"config OK: {config.app} {config.instance_name!r} of {config.server_name!r}")
             sys.exit(0)
+        config.replication_secret()  # created now if missing: a bad secret file is a config error
         setup_logging(config)
         return build_service(config, reactor)
     except ConfigError as e:
