@@ -9,6 +9,7 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from synflow.replication.commands import PositionCommand, RdataCommand, Side
+from synflow.replication.core import AUTH_TIMEOUT_S
 from synflow.replication.guard import REFUSAL_LOG_INTERVAL_S, PositionGuard
 from synflow.replication.handler import ReplicationHandler
 from synflow.replication.hub import ReplicationHub
@@ -209,3 +210,26 @@ class HubGuardTest(SynchronousTestCase):
         self.assertEqual((self.sequence.reads, self.handler.stats.positions_refused), (0, 0))
         self.assertEqual(reader_transport.value(), b"")
         self.assertEqual(self.handler.position("events", "persister1"), 10)
+
+    def test_unauthenticated_connection_gets_no_stream(self):
+        """Until its AUTH, a connection is not among the hub's connections: nothing the hub sends reaches it."""
+        proto, transport = self.connect()
+        transport.clear()
+        self.hub.send_command(PositionCommand("caches", "master", 1, 2))
+        self.assertEqual(transport.value(), b"")
+        self.assertEqual(self.hub.connections, [self.reader])
+        proto.dataReceived(b"AUTH s3cret\n")
+        self.assertIn(proto, self.hub.connections)
+        self.hub.send_command(PositionCommand("caches", "master", 2, 3))
+        self.assertEqual(transport.value(), b"POSITION caches master 2 3\n")
+
+    def test_silent_connection_closed_after_auth_timeout(self):
+        """A connection that never sends AUTH is closed once the auth timeout passes (it cannot idle forever)."""
+        proto, transport = self.connect()
+        self.clock.advance(AUTH_TIMEOUT_S - 1)
+        self.assertFalse(transport.disconnecting)
+        for _ in range(2):
+            self.clock.advance(1)
+        self.assertTrue(transport.disconnecting)
+        self.assertTrue(transport.value().endswith(b"ERROR authentication timeout\n"), transport.value())
+        self.assertFalse(self.reader.transport.disconnecting)
