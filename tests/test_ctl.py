@@ -20,6 +20,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from synflow.errors import ConfigError
 from synflow.tools import ctl
 from tests.cluster import free_port
+from tests.test_config import run_from_operator_directory
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 WORKERS = os.path.join(ROOT, "workers")
@@ -108,6 +109,7 @@ class DiscoverTest(SynchronousTestCase):
         """Each --config file ends every process's list, so the production overlay switches all of them to PostgreSQL and Redis."""
         directory = copy_workers(self)
         overlay = os.path.join(WORKERS, "production.yaml")
+        run_from_operator_directory(self)  # holds var/redis.password, which the overlay names
         procs = ctl.discover(directory, [overlay])
         self.assertEqual(len(procs), 5)
         for proc in procs:
@@ -230,6 +232,9 @@ class ScriptTest(SynchronousTestCase):
         directory = copy_workers(self)
         parent = os.path.dirname(directory)
         shutil.copy(os.path.join(WORKERS, "production.yaml"), os.path.join(parent, "overlay.yaml"))
+        os.makedirs(os.path.join(parent, "var"), exist_ok=True)
+        with open(os.path.join(parent, "var", "redis.password"), "w") as f:
+            f.write("a-redis-password\n")
         result = self.run_ctl("status", os.path.basename(directory), "--config", "overlay.yaml", cwd=parent)
         self.assertEqual(result.returncode, 3, result.stdout + result.stderr)  # 3: not every process is healthy
         lines = result.stdout.splitlines()
