@@ -19,6 +19,15 @@ pidfile and logfile (``pid_file``/``log_file``, by default under
 waited for until its ``/health`` answers 200, and stopped in reverse order.
 Ports are checked across the processes too: two processes on one port is a
 configuration error naming the file and the key of the second.
+
+``start`` first makes sure the deployment's internal-channel secret exists
+(``replication.secret_path``, by default ``<data_dir>/replication.secret``,
+created 0600 with a random secret on first use). A pidfile is believed only
+if its PID is this deployment's process for that instance: its environment
+carries ``SYNFLOW_PIDFILE=<its pidfile>`` (set by ``start``) or its command
+line runs ``twistd ... --pidfile <its pidfile> ... synflow``. A live PID that
+is neither -- reused after a crash -- is reported as a stale pidfile, never
+signalled, and the pidfile removed.
 """
 
 from __future__ import annotations
