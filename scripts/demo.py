@@ -10,7 +10,8 @@
    chain (a progress bar shows the sends).
 3. Waits until every chain has every message of its rooms, local or
    federated.
-4. Runs the Spark token validator over each deployment's audit logs.
+4. Runs the Spark token validator over each deployment's audit logs, in one
+   Spark session.
 5. Prints a report (events/s, send->sync latency, federation delivered /
    expected, cache hit rate, validator verdict), writes it as
    ``OUT/report.md`` with a latency plot ``OUT/latency.png``, stops
@@ -35,13 +36,17 @@ import urllib.request
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, ROOT)
 
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from twisted.internet import reactor  # noqa: E402
 from twisted.internet.defer import ensureDeferred  # noqa: E402
 
+from scripts.prereqs import check_java, check_ports  # noqa: E402
 from synflow.tools.deploy import DEFAULT_PORTS, free_port, make_deployment  # noqa: E402
 from synflow.tools.workload import Workload  # noqa: E402
 
 PEER = "peer.localhost"
+#: The peer deployment listens on the default ports plus this.
+PEER_PORT_OFFSET = 10000
 
 
 def step(msg: str) -> None:
@@ -67,26 +72,44 @@ def cache_hit_rate(metric_urls: list[str]) -> tuple[float, int, int]:
             text = urllib.request.urlopen(url, timeout=5).read().decode()
         except OSError:
             continue
-        for line in text.splitlines():
-            if line.startswith("synflow_cache_hits_total"):
-                hits += float(line.rsplit(" ", 1)[1])
-            elif line.startswith("synflow_cache_misses_total"):
-                misses += float(line.rsplit(" ", 1)[1])
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "synflow_cache_hits_total":
+                    hits += sample.value
+                elif sample.name == "synflow_cache_misses_total":
+                    misses += sample.value
     total = hits + misses
     return (hits / total if total else 0.0), int(hits), int(misses)
 
 
-def run_validator(logs: str, out: str) -> tuple[int, dict]:
-    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable)
-    result = subprocess.run([sys.executable, "-m", "spark.validate_tokens", "--logs", logs, "--out", out],
-                            cwd=ROOT, env=env)
-    summary = {}
+def run_validators(jobs: list[tuple[str, str, str]]) -> dict[str, tuple[int, dict]]:
+    """Validate each ``(name, logs, out)`` in one Spark session; the exit code and summary per name."""
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    from spark.cli import parse_args
+    from spark.session import get_session
+    from spark.validate_tokens import run
+
     try:
-        with open(os.path.join(out, "summary.json"), encoding="utf-8") as f:
-            summary = json.load(f)
-    except (OSError, ValueError):
-        pass
-    return result.returncode, summary
+        spark = get_session(None, None, "2g", app_name="synflow-demo-validator")
+    except Exception as e:  # no JVM: every verdict is an internal failure
+        print(f"demo: cannot start Spark: {e}", file=sys.stderr)
+        return {name: (3, {}) for name, _, _ in jobs}
+    verdicts = {}
+    try:
+        for name, logs, out in jobs:
+            step(f"validating {name}'s tokens with Spark")
+            code = run(spark, parse_args(["--logs", logs, "--out", out]))
+            summary = {}
+            try:
+                with open(os.path.join(out, "summary.json"), encoding="utf-8") as f:
+                    summary = json.load(f)
+            except (OSError, ValueError):
+                pass
+            verdicts[name] = (code, summary)
+    finally:
+        spark.stop()
+    return verdicts
 
 
 def plot(latencies: list[float], path: str) -> None:
@@ -141,11 +164,16 @@ def main() -> int:
     parser.add_argument("--keep-running", action="store_true", help="leave both deployments running")
     args = parser.parse_args()
 
+    problems = check_java() + ([] if args.free_ports else check_ports(p + off for p in DEFAULT_PORTS for off in (0, PEER_PORT_OFFSET)))
+    if problems:
+        for problem in problems:
+            print(f"demo: {problem}", file=sys.stderr)
+        return 1
     out = os.path.abspath(args.out)
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     home_ports = {p: (free_port() if args.free_ports else p) for p in DEFAULT_PORTS}
-    peer_ports = {p: (free_port() if args.free_ports else p + 10000) for p in DEFAULT_PORTS}
+    peer_ports = {p: (free_port() if args.free_ports else p + PEER_PORT_OFFSET) for p in DEFAULT_PORTS}
     home_dir, peer_dir = os.path.join(out, "localhost"), os.path.join(out, PEER)
     make_deployment(home_dir, "localhost", home_ports, peer=PEER, peer_url=f"http://127.0.0.1:{peer_ports[8008]}")
     make_deployment(peer_dir, PEER, peer_ports, peer="localhost", peer_url=f"http://127.0.0.1:{home_ports[8008]}",
@@ -186,10 +214,8 @@ def main() -> int:
             for directory in reversed(started):
                 ctl(directory, "stop")
             started = []
-        verdicts = {}
-        for name, directory in (("localhost", home_dir), (PEER, peer_dir)):
-            step(f"validating {name}'s tokens with Spark")
-            verdicts[name] = run_validator(os.path.join(directory, "var", "audit"), os.path.join(out, f"validator-{name}"))
+        verdicts = run_validators([(name, os.path.join(directory, "var", "audit"), os.path.join(out, f"validator-{name}"))
+                                   for name, directory in (("localhost", home_dir), (PEER, peer_dir))])
         plot(report.latencies_ms, os.path.join(out, "latency.png"))
         code = write_report(out, args, report, traffic_s, hit_rate, hits, misses, verdicts)
         return code

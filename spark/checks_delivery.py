@@ -22,9 +22,9 @@ from functools import reduce
 from pyspark.sql import Column, DataFrame, Observation, Window
 from pyspark.sql import functions as F
 
-from spark.checks_syntax import chain_order, eff_of, parse_tokens, with_chain_breaks, writer_id
-from spark.checks_tokens import first_covering, records
-from spark.common import (
+from .checks_syntax import chain_order, eff_of, parse_tokens, with_chain_breaks, writer_id
+from .checks_tokens import first_covering, records
+from .common import (
     NO_PARTIAL_AGGREGATION,
     Context,
     Sql,

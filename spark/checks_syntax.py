@@ -11,7 +11,7 @@ from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 from pyspark.sql.window import WindowSpec
 
-from spark.common import Context, Sql, finish, sentence, ts, txt, writer_name
+from .common import Context, Sql, finish, sentence, ts, txt, writer_name
 
 TOKEN_SQL_RE = "^(?:s([0-9]+)|m([0-9]+)((?:~[0-9]+[.][0-9]+)*)~?)$"
 

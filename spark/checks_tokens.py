@@ -12,8 +12,8 @@ from __future__ import annotations
 from pyspark.sql import DataFrame, Window
 from pyspark.sql import functions as F
 
-from spark.checks_syntax import eff_of
-from spark.common import (
+from .checks_syntax import eff_of
+from .common import (
     INF,
     Context,
     Sql,

@@ -9,8 +9,8 @@ from __future__ import annotations
 from pyspark.sql import DataFrame, Window
 from pyspark.sql import functions as F
 
-from spark.checks_delivery import by_event
-from spark.common import (
+from .checks_delivery import by_event
+from .common import (
     INF,
     Context,
     finish,

@@ -11,7 +11,7 @@ from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from spark.checks import BY_NAME, MAX_LONG, OUTPUT_COLUMNS
+from .checks import BY_NAME, MAX_LONG, OUTPUT_COLUMNS
 
 OUTPUT_TYPES: dict[str, T.DataType] = {
     c: T.LongType() if c in ("seq", "prev_seq", "stream_id", "claimed_pos", "expected_seq")

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from spark.tokens import encode
+from .tokens import encode
 
 T0 = 1_700_000_000_000_000
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -265,7 +265,7 @@ def generate(cfg: Config) -> Corpus:
     instances.append({"instance_id": cfg.writers + 1, "instance_name": "master"})
     corpus = Corpus(facts + caches, positions, chains, instances, cfg)
     if cfg.inject:
-        from spark.inject import inject_all
+        from .inject import inject_all
 
         inject_all(corpus, random.Random(cfg.seed + 1))
     return corpus
@@ -322,8 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     write_jsonl(corpus, jsonl_dir)
     write_injected(corpus, os.path.join(a.out, "injected.json"))
     if a.format in ("parquet", "both"):
-        from spark.inputs import convert_to_parquet
-        from spark.session import get_session
+        from .inputs import convert_to_parquet
+        from .session import get_session
 
         convert_to_parquet(get_session(), jsonl_dir, os.path.join(a.out, "parquet"))
     print(f"wrote {a.out} ({len(corpus.injected)} injected violations)", file=sys.stderr)

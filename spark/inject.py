@@ -12,9 +12,9 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from spark.checks import violation_key
-from spark.generate import STREAM, Corpus
-from spark.tokens import encode
+from .checks import violation_key
+from .generate import STREAM, Corpus
+from .tokens import encode
 
 HUGE_CLAIM = 10**15
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pyspark.sql import DataFrame, Observation, SparkSession, Window
 from pyspark.sql import functions as F
 
-from spark.common import materialise
-from spark.inputs import CORRUPT, InputError, Table, first_line, micros, read_table
+from .common import materialise
+from .inputs import CORRUPT, InputError, Table, first_line, micros, read_table
 
 
 @dataclass

@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from spark.checks import (
+from .checks import (
     BY_NAME,
     DEFAULT_FIRST_ID,
     DEFAULT_UNRESOLVED_AFTER_S,
     MAX_LONG,
     violation_key,
 )
-from spark.tokens import ParsedToken, parse
+from .tokens import ParsedToken, parse
 
 Row = dict[str, Any]
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from pyspark.sql import DataFrame, SparkSession
 
-from spark.checks import BY_NAME, CHECKS, fails
+from .checks import BY_NAME, CHECKS, fails
 
 
 def _fs_path(spark: SparkSession, path: str):

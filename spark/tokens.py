@@ -12,7 +12,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from spark.checks import MAX_INT, MAX_LONG
+from .checks import MAX_INT, MAX_LONG
 
 #: The grammar; ``[0-9]`` rather than ``\\d`` so that Python and Java agree.
 TOKEN_RE = re.compile(r"^(?:s([0-9]+)|m([0-9]+)((?:~[0-9]+\.[0-9]+)*)~?)$")

@@ -1,8 +1,10 @@
-"""The token validator job: ``python -m spark.validate_tokens --logs DIR --out DIR``.
+"""The token validator job: ``synflow-validate --logs DIR --out DIR``.
 
-Also runs as a plain script, so ``spark-submit spark/validate_tokens.py --logs s3a://… --out …``
-works unchanged (ship the ``spark`` package with ``--py-files`` in cluster deploy mode). Exit
-codes: 0 clean, 1 violations at or above ``--fail-on``, 2 bad input, 3 internal failure.
+Installed, the package is ``synflow_spark`` and the command ``synflow-validate``; from a checkout
+``python -m spark.validate_tokens`` runs the same code. It also runs as a plain script
+(``spark-submit …/validate_tokens.py``), and ``scripts/build_validator_zip`` builds the
+``--py-files`` archive and driver for ``spark-submit`` on a cluster. Exit codes: 0 clean,
+1 violations at or above ``--fail-on``, 2 bad input, 3 internal failure.
 """
 
 from __future__ import annotations
@@ -10,10 +12,11 @@ from __future__ import annotations
 import os
 import sys
 
-if not __package__:  # run as a script (spark-submit): make the `spark` package importable
+if not __package__:  # run as a script (spark-submit): import the package this file is in
     _here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
     sys.path.insert(0, os.path.dirname(_here))
+    __package__ = os.path.basename(_here)  # PEP 366: relative imports in a script
 
 import argparse
 import threading
@@ -30,19 +33,14 @@ from pyspark import StorageLevel
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
-from spark import checks_delivery, checks_syntax, checks_tokens, checks_writer
-from spark.checks import (
-    BY_NAME,
-    CHECK_NAMES,
-    DEFAULT_BUCKET_S,
-    DEFAULT_FIRST_ID,
-    DEFAULT_UNRESOLVED_AFTER_S,
-)
-from spark.common import Context, materialise
-from spark.inputs import InputError
-from spark.load import Inputs, load
-from spark.report import exit_code, remove, write_outputs, write_violations
-from spark.session import get_session
+from . import checks_delivery, checks_syntax, checks_tokens, checks_writer
+from .checks import BY_NAME
+from .cli import parse_args
+from .common import Context, materialise
+from .inputs import InputError
+from .load import Inputs, load
+from .report import exit_code, remove, write_outputs, write_violations
+from .session import get_session
 
 
 class _Progress:
@@ -54,42 +52,6 @@ class _Progress:
         if self.enabled:
             print(f"[validate_tokens {time.monotonic() - self.start:7.1f}s] {msg}", file=sys.stderr,
                   flush=True)
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """The command line (see ``--help``)."""
-    p = argparse.ArgumentParser(prog="python -m spark.validate_tokens", description=(
-        "Prove from the audit logs that no vector-clock token let a reader skip, repeat or "
-        "invent a fact."))
-    p.add_argument("--logs", required=True, help="directory (or URL) with writer_logs/, token_logs/, instance_map/")
-    p.add_argument("--out", required=True, help="output directory (or URL)")
-    p.add_argument("--fail-on", choices=("error", "warning", "never"), default="error",
-                   help="lowest severity that makes the exit code 1 (default: error)")
-    p.add_argument("--output-format", choices=("jsonl", "parquet"), default="jsonl",
-                   help="format of violations/ (default: jsonl)")
-    p.add_argument("--checks", default="all", help="comma-separated checks to run (default: all)")
-    p.add_argument("--clock-skew-ms", type=float, default=0.0,
-                   help="allowance when comparing completion and issue times across hosts")
-    p.add_argument("--first-id", type=int, default=DEFAULT_FIRST_ID,
-                   help="the first id of the sequences; lower ids are never in the future (default 2)")
-    p.add_argument("--unresolved-after-s", type=float, default=DEFAULT_UNRESOLVED_AFTER_S,
-                   help="age at the end of the log of an open reservation that is reported (default 60)")
-    p.add_argument("--bucket-s", type=float, default=DEFAULT_BUCKET_S,
-                   help="time bucket of the as-of computations (tuning only; default 1)")
-    p.add_argument("--top", type=int, default=20, help="examples per check in report.md")
-    p.add_argument("--master", help="Spark master (default: spark-submit's, SPARK_MASTER, else local[*])")
-    p.add_argument("--shuffle-partitions", type=int, help="spark.sql.shuffle.partitions")
-    p.add_argument("--driver-memory", default="6g", help="driver memory when this process starts Spark")
-    p.add_argument("--parallel-stages", type=int, default=2,
-                   help="stages run at a time, each in its own thread (default 2; 1: one after another)")
-    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    a = p.parse_args(argv)
-    names = CHECK_NAMES if a.checks == "all" else tuple(c.strip() for c in a.checks.split(",") if c.strip())
-    unknown = [c for c in names if c not in BY_NAME]
-    if unknown:
-        p.error(f"unknown check(s) {', '.join(unknown)}; choose from {', '.join(CHECK_NAMES)}")
-    a.check_names = [c for c in CHECK_NAMES if c in names]
-    return a
 
 
 def _stage(name: str, dfs: dict[str, DataFrame], args: argparse.Namespace, summary: dict,

@@ -15,6 +15,7 @@ docs/configuration.md documents every key; keep the two in step.
 from __future__ import annotations
 
 import enum
+import importlib.util
 import os
 import types
 import typing
@@ -24,6 +25,7 @@ from typing import Any, Literal, TypeVar, get_args, get_origin
 import attrs
 import yaml
 
+from synflow.endpoints import endpoint_problem, tcp_address
 from synflow.errors import ConfigError
 from synflow.shared_secret import DEFAULT_SECRET_NAME, is_loopback, load_or_create_secret
 
@@ -143,6 +145,8 @@ class FederationConfig:
     allowed_origins: list[str] | None = None
     verify_tls: bool = True
     max_body_bytes: int = 2 * 1024 * 1024
+    #: Catch-up sends every unacknowledged event up to this many per destination; past it, the latest per room.
+    catch_up_max_events: int = 10_000
 
 
 @attrs.frozen
@@ -180,7 +184,23 @@ class LimitsConfig:
     sync_max_limit: int = 1000
 
 
+@attrs.frozen
+class LoggingConfig:
+    """``logging:`` -- the process log's format, rotation and levels."""
+
+    format: Literal["text", "json"] = "text"
+    #: Rotate the log file past this size ...
+    max_bytes: int = 10 * 1024 * 1024
+    #: ... keeping this many rotated files (the oldest is deleted).
+    backups: int = 5
+    #: Level per logger name (a stdlib logger or a Twisted log namespace), e.g. ``synflow.federation: DEBUG``.
+    levels: dict[str, str] = attrs.Factory(dict)
+
+
 RESOURCES = ("client", "federation", "metrics")
+#: The largest ``federation.catch_up_max_events`` accepted.
+MAX_CATCH_UP_MAX_EVENTS = 1_000_000
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 @attrs.frozen
@@ -211,6 +231,7 @@ class SynflowConfig:
     listeners: list[Listener] = attrs.Factory(list)
     log_file: str | None = None
     log_level: str = "INFO"
+    logging: LoggingConfig = LoggingConfig()
     pid_file: str | None = None
     #: The files this config came from, in order (not a YAML key).
     files: tuple[str, ...] = ()
@@ -541,12 +562,39 @@ def validate(config: SynflowConfig, origins: Mapping[str, str]) -> None:
     for i, listener in enumerate(config.listeners):
         if not listener.resources:
             raise config_error(origins, f"listeners[{i}].resources", "lists nothing to serve")
-    if config.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+    if config.log_level.upper() not in LOG_LEVELS:
         raise config_error(origins, "log_level", f"must be DEBUG, INFO, WARNING or ERROR, got {config.log_level!r}")
+    for name, level in config.logging.levels.items():
+        if not isinstance(level, str) or level.upper() not in LOG_LEVELS:
+            raise config_error(origins, f"logging.levels.{name}", f"must be DEBUG, INFO, WARNING or ERROR, got {level!r}")
+    if config.logging.max_bytes < 1024:
+        raise config_error(origins, "logging.max_bytes", f"must be at least 1024, got {config.logging.max_bytes!r}")
+    if config.logging.backups < 1:
+        raise config_error(origins, "logging.backups", f"must be at least 1, got {config.logging.backups!r}")
     for name, url in config.federation.destinations.items():
         if not url.startswith(("http://", "https://")):
             raise config_error(origins, f"federation.destinations.{name}", f"must be an http:// or https:// URL, got {url!r}")
     _check_federation(config.federation, origins)
+    _check_drivers(config, origins)
+
+
+#: The optional driver each backend needs, and the extra that installs it.
+_DRIVERS = {"psycopg2": "postgres", "txredisapi": "redis"}
+
+
+def _check_drivers(config: SynflowConfig, origins: Mapping[str, str]) -> None:
+    """The PostgreSQL and Redis drivers are extras: name the missing one and how to install it."""
+    needs: list[tuple[str, str]] = []
+    if config.database.engine == "postgres":
+        needs.append(("database.engine", "psycopg2"))
+    if config.replication.transport is Transport.REDIS:
+        needs.append(("replication.transport", "txredisapi"))
+    if config.caches.tier is not None:
+        needs.append(("caches.tier", "txredisapi"))
+    for key, module in needs:
+        if importlib.util.find_spec(module) is None:
+            raise config_error(origins, key, f"needs the {module} package, which is not installed: "
+                                             f"pip install 'synflow[{_DRIVERS[module]}]'")
 
 
 def _check_federation(federation: FederationConfig, origins: Mapping[str, str]) -> None:
@@ -571,6 +619,9 @@ def _check_federation(federation: FederationConfig, origins: Mapping[str, str]) 
                            f"must be at least 1 (1 keeps the interval fixed), got {backoff.multiplier!r}")
     if not 0 <= backoff.jitter < 1:
         raise config_error(origins, "federation.backoff.jitter", f"must be in [0, 1), got {backoff.jitter!r}")
+    if not 0 <= federation.catch_up_max_events <= MAX_CATCH_UP_MAX_EVENTS:
+        raise config_error(origins, "federation.catch_up_max_events",
+                           f"must be in [0, {MAX_CATCH_UP_MAX_EVENTS}], got {federation.catch_up_max_events!r}")
 
 
 def _check_exposure(config: SynflowConfig, origins: Mapping[str, str]) -> None:
@@ -607,15 +658,9 @@ def _check_secret_file(origins: Mapping[str, str], key: str, path: str | None) -
 
 
 def listener_port(endpoint: str) -> int | None:
-    """The TCP port a server endpoint description listens on, if it is TCP."""
-    parts = endpoint.split(":")
-    if parts and parts[0] in ("tcp", "ssl") and len(parts) > 1:
-        for part in parts[1:]:
-            if part.isdigit():
-                return int(part)
-            if part.startswith("port="):
-                return int(part[5:]) if part[5:].isdigit() else None
-    return None
+    """The TCP port a server endpoint description listens on (tcp, tcp6, ssl); None for unix, systemd, ..."""
+    address = tcp_address(endpoint)
+    return address[1] if address is not None else None
 
 
 def _check_ports(config: SynflowConfig, origins: Mapping[str, str]) -> None:
@@ -629,10 +674,10 @@ def _check_ports(config: SynflowConfig, origins: Mapping[str, str]) -> None:
         seen[port] = key
 
     for i, listener in enumerate(config.listeners):
-        port = listener_port(listener.endpoint)
-        if port is None and not listener.endpoint.startswith(("unix:", "tcp:0", "tcp:port=0")):
-            raise config_error(origins, f"listeners[{i}].endpoint", f"not a server endpoint description: {listener.endpoint!r}")
-        claim(port, f"listeners[{i}].endpoint")
+        problem = endpoint_problem(listener.endpoint)
+        if problem is not None:
+            raise config_error(origins, f"listeners[{i}].endpoint", problem)
+        claim(listener_port(listener.endpoint), f"listeners[{i}].endpoint")
     own = config.instance_map.get(config.instance_name)
     if own is not None:
         claim(own.port, f"instance_map.{config.instance_name}.port")

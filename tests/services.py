@@ -108,7 +108,7 @@ def require_redis() -> None:
 def require_java() -> None:
     """Make sure a Java runtime for Spark is on the PATH, or skip (fail under CI)."""
     if not shutil.which("java"):
-        unavailable("Spark needs Java 17+, and no `java` is on the PATH")
+        unavailable("Spark needs Java 17+, and no `java` is on the PATH: apt-get install openjdk-17-jre-headless")
     try:
         import pyspark  # noqa: F401
     except ImportError:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from synflow.config import Transport, load_config
+from synflow.config import Transport, listener_port, load_config
 from synflow.errors import ConfigError
 from tests.cluster import TWISTD
 
@@ -27,7 +28,9 @@ listeners: [{endpoint: "tcp:8008:interface=127.0.0.1", resources: [client, feder
 """
 
 
-class ConfigTest(SynchronousTestCase):
+class _ConfigFiles(SynchronousTestCase):
+    """Writes config files into the test's directory and loads them."""
+
     def write(self, name: str, text: str) -> str:
         d = getattr(self, "_dir", None) or os.path.abspath(self.mktemp())
         self._dir = d
@@ -49,6 +52,8 @@ class ConfigTest(SynchronousTestCase):
         self.assertIn(fragment, message)
         return message
 
+
+class ConfigTest(_ConfigFiles):
     def test_valid(self):
         """A valid pair of files loads, the second overriding the first."""
         config = self.load(SHARED + "replication: {transport: tcp}\n", MASTER + "replication: {transport: redis}\n")
@@ -153,6 +158,8 @@ class ConfigTest(SynchronousTestCase):
             ("wakeup_interval_s: -5", "federation.wakeup_interval_s", "must be greater than 0"),
             ("request_timeout_s: 0", "federation.request_timeout_s", "must be greater than 0"),
             ("request_timeout_s: .nan", "federation.request_timeout_s", "must be greater than 0"),
+            ("catch_up_max_events: -1", "federation.catch_up_max_events", "must be in [0, 1000000]"),
+            ("catch_up_max_events: 1000001", "federation.catch_up_max_events", "must be in [0, 1000000]"),
         ]
         for federation, key, fragment in cases:
             self.assertConfigError("shared.yaml", key, fragment, shared=SHARED + f"federation: {{{federation}}}\n")
@@ -171,6 +178,7 @@ class ConfigTest(SynchronousTestCase):
         backoff = federation.backoff
         self.assertEqual((backoff.initial_s, backoff.multiplier, backoff.max_s, backoff.jitter), (10.0, 2.0, 86400.0, 0.2))
         self.assertEqual(federation.destinations, {})
+        self.assertEqual(federation.catch_up_max_events, 10_000)
 
 
 def run_from_operator_directory(testcase: SynchronousTestCase) -> str:
@@ -283,3 +291,65 @@ class DefaultDeploymentTest(SynchronousTestCase):
             "log_file": "/srv/p1.log", "pid_file": "/srv/p1.pid"})
         self.assertEqual((config.database_path, config.audit_dir, config.log_path, config.pid_path),
                          ("/srv/db.sqlite", "/srv/audit", "/srv/p1.log", "/srv/p1.pid"))
+
+
+class OptionalDriverTest(_ConfigFiles):
+    def hide(self, module: str) -> None:
+        real = importlib.util.find_spec
+        self.patch(importlib.util, "find_spec", lambda name, *a: None if name == module else real(name, *a))
+
+    def test_postgres_without_psycopg2(self):
+        """database.engine: postgres without psycopg2 installed names the key and the extra that installs it."""
+        self.hide("psycopg2")
+        self.assertConfigError("shared.yaml", "database.engine", "pip install 'synflow[postgres]'",
+                               shared=SHARED + "database: {engine: postgres}\n")
+
+    def test_redis_without_txredisapi(self):
+        """The Redis transport and the Redis cache tier without txredisapi name the extra that installs it."""
+        self.hide("txredisapi")
+        self.assertConfigError("own.yaml", "replication.transport", "pip install 'synflow[redis]'",
+                               own=MASTER + "replication: {transport: redis}\n")
+        self.assertConfigError("own.yaml", "caches.tier", "pip install 'synflow[redis]'",
+                               own=MASTER + "caches: {tier: {host: 127.0.0.1, port: 6379}}\n")
+
+    def test_embedded_default_needs_no_driver(self):
+        """SQLite and the TCP hub load with neither driver installed."""
+        real = importlib.util.find_spec
+        self.patch(importlib.util, "find_spec",
+                   lambda name, *a: None if name in ("psycopg2", "txredisapi") else real(name, *a))
+        self.assertIs(self.load().replication.transport, Transport.TCP)
+
+
+class LoggingConfigTest(_ConfigFiles):
+    def test_logging_section(self):
+        """logging: format, rotation and levels load; bad values name their key."""
+        config = self.load(own=MASTER + "logging: {format: json, max_bytes: 4096, backups: 3, levels: {synflow.access: WARNING}}\n")
+        self.assertEqual(config.logging.format, "json")
+        self.assertEqual((config.logging.max_bytes, config.logging.backups), (4096, 3))
+        self.assertEqual(config.logging.levels, {"synflow.access": "WARNING"})
+        self.assertConfigError("own.yaml", "logging.levels.synflow", "must be DEBUG, INFO, WARNING or ERROR",
+                               own=MASTER + "logging: {levels: {synflow: LOUD}}\n")
+        self.assertConfigError("own.yaml", "logging.backups", "at least 1", own=MASTER + "logging: {backups: 0}\n")
+        self.assertConfigError("own.yaml", "logging.max_bytes", "at least 1024", own=MASTER + "logging: {max_bytes: 10}\n")
+        self.assertConfigError("own.yaml", "logging.format", "", own=MASTER + "logging: {format: xml}\n")
+
+
+class EndpointDescriptionTest(_ConfigFiles):
+    def listener(self, endpoint: str) -> str:
+        return MASTER + f"listeners: [{{endpoint: '{endpoint}', resources: [client]}}]\n"
+
+    def test_every_server_endpoint_type_accepted(self):
+        """tcp6, unix and systemd descriptions load; only the ones with a port take part in port checks."""
+        for endpoint, port in (("tcp6:8443:interface=\\:\\:1", 8443), ("unix:/run/synflow/client.sock", None),
+                               ("systemd:domain=INET:index=0", None), ("tcp:port=8009", 8009)):
+            config = self.load(own=self.listener(endpoint))
+            self.assertEqual(config.listener("client").endpoint, endpoint)
+            self.assertEqual(listener_port(endpoint), port)
+
+    def test_bad_descriptions_named(self):
+        """An unknown type, a TCP type without a port, a bad systemd domain and an ssl key that is not there are refused."""
+        for endpoint, fragment in (("foo:8008", "Unknown endpoint type"), ("tcp:interface=127.0.0.1", "no port number"),
+                                   ("systemd:domain=IPX:index=0", "domain=INET, INET6 or UNIX"),
+                                   ("systemd:domain=INET", "index=N or name=NAME"),
+                                   ("ssl:8448:privateKey=/nonexistent/key.pem", "No such file")):
+            self.assertConfigError("own.yaml", "listeners[0].endpoint", fragment, own=self.listener(endpoint))

@@ -47,7 +47,7 @@ class WriteReportTest(SynchronousTestCase):
         self.assertTrue(data["ok"])
         self.assertIn("**Verdict: OK - nothing lost, no anomalies**", text)
         self.assertIn("| 150 events/s |", text)
-        self.assertIn("send -> visible in sync p50 / p95 / p99 | 51.0 / 96.0 / 100.0 ms |", text)
+        self.assertIn("send -> visible in sync p50 / p95 / p99 | 50.5 / 95.0 / 99.0 ms |", text)
         self.assertIn("| federation delivered / expected | 120 / 120 |", text)
         self.assertIn("| cache hit rate (localhost) | 42.0% (42 hits, 58 misses) |", text)
         self.assertIn("| token validator (localhost) | clean; violations: 0 |", text)
@@ -75,3 +75,11 @@ class WriteReportTest(SynchronousTestCase):
         code, text, _ = self.write(_report(federated_delivered=119), {"localhost": (0, CLEAN)})
         self.assertEqual(code, 1)
         self.assertIn("**Verdict: FAILED**", text)
+
+
+class QuantileTest(SynchronousTestCase):
+    def test_percentiles_interpolate(self) -> None:
+        """percentiles() are statistics.quantiles' inclusive cut points, with the maximum; empty and single inputs are defined."""
+        self.assertEqual(percentiles([float(i) for i in range(1, 11)]), {"p50": 5.5, "p95": 9.55, "p99": 9.91, "max": 10.0})
+        self.assertEqual(percentiles([7.0]), {"p50": 7.0, "p95": 7.0, "p99": 7.0, "max": 7.0})
+        self.assertEqual(percentiles([]), {"p50": 0.0, "p95": 0.0, "p99": 0.0, "max": 0.0})

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from urllib.parse import quote
 
 import yaml
 from hypothesis import HealthCheck, given, settings
@@ -207,6 +208,7 @@ class HttpFuzzTest(TestCase):
         anon = Client(self.url, self.pool)
         statuses: dict[int, int] = {}
         fed_errors: dict[str, int] = {}
+        gme_errors: dict[str, int] = {}
         paths = [
             ("POST", "/register"), ("POST", "/rooms"), ("POST", f"/rooms/{room}/join"),
             ("POST", f"/rooms/{room}/invite"), ("PUT", f"/rooms/{room}/send/m.fuzz/t"),
@@ -218,8 +220,14 @@ class HttpFuzzTest(TestCase):
             body = _random_body(rng)
             if rng.random() < 0.3:
                 method, path = "PUT", f"/_matrix/federation/v1/send/fz{i}"
+                headers = {}
+                if i % 2:
+                    # get_missing_events, as an allowed origin (its own room check then refuses or answers).
+                    method, path = "POST", f"/_matrix/federation/v1/get_missing_events/{quote(room, safe='')}"
+                    headers = {"Authorization": ["X-Matrix origin=other.test,destination=fuzz.test"]}
                 try:
-                    response = await fed.http.request(method, self.url + path, data=body, timeout=30)
+                    response = await fed.http.request(method, self.url + path, data=body, headers=headers,
+                                                      timeout=30)
                     content = await response.content()
                     code = response.code
                 except Exception as e:
@@ -235,6 +243,8 @@ class HttpFuzzTest(TestCase):
                     self.assertIsInstance(reply.get("errcode"), str, f"{path}: {code} without errcode: {reply}")
                     self.assertIsInstance(reply.get("error"), str, f"{path}: {code} without error: {reply}")
                     fed_errors[reply["errcode"]] = fed_errors.get(reply["errcode"], 0) + 1
+                    if method == "POST":
+                        gme_errors[reply["errcode"]] = gme_errors.get(reply["errcode"], 0) + 1
             else:
                 method, path = rng.choice(paths)
                 if "send" in path:
@@ -252,4 +262,5 @@ class HttpFuzzTest(TestCase):
         print(f"fuzzed {self.REQUESTS} HTTP requests: statuses {sorted(statuses.items())}; "
               f"federation errors {sorted(fed_errors.items())}")
         self.assertTrue(fed_errors, "no federation request was refused: the fuzz did not reach /send")
+        self.assertTrue(gme_errors, "no get_missing_events request was refused: the fuzz did not reach it")
         await user.send(room, {"body": "still alive"}, "final")

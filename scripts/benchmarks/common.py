@@ -30,6 +30,8 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from synflow.tools.workload import quantile
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 EVENT_PREFIX = "@@ "
 PG_HOST, PG_PORT, PG_USER = "127.0.0.1", 5432, "postgres"
@@ -439,10 +441,7 @@ def machine_info() -> dict[str, Any]:
 
 
 def percentile(values: Iterable[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return 0.0
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    return quantile(values, q)
 
 
 def median(values: Iterable[float]) -> float:

@@ -14,6 +14,7 @@ serves ``/health`` and ``/metrics`` on its internal listener and on its
 from __future__ import annotations
 
 import logging
+import os
 import random
 import secrets
 from typing import Any
@@ -23,6 +24,7 @@ from twisted.internet.defer import Deferred, succeed
 
 from synflow.app.base import ProcessService
 from synflow.app.services import ListeningService
+from synflow.app.systemd import SystemdNotifier
 from synflow.caching import (
     CacheRegistry,
     TierInvalidator,
@@ -35,6 +37,11 @@ from synflow.events.persist import EventPersister, PersistResult
 from synflow.events.router import EventRouter, serve_persist
 from synflow.events.sync import SyncHandler
 from synflow.federation.edus import EduFollower, EduQueue
+from synflow.federation.missing_events import (
+    GET_MISSING_EVENTS_PREFIX,
+    MissingEventsResource,
+    SqlMissingEventsStore,
+)
 from synflow.federation.sender import FederationSender
 from synflow.federation.storage import SqlDestinationStore
 from synflow.federation.transport import TreqFederationTransport
@@ -104,6 +111,7 @@ class SynflowProcess(ProcessService):
     sync: SyncHandler
     client_api: ClientApi | None = None
     federation_inbound: Any = None
+    missing_events: MissingEventsResource | None = None
     federation_sender: FederationSender | None = None
     edu_queue: EduQueue | None = None
     listeners: dict[str, ListeningService]
@@ -114,6 +122,7 @@ class SynflowProcess(ProcessService):
         handler = self.replication.handler
         me = config.instance_name
         self.listeners = {}
+        SystemdNotifier(self.health_problems, self.reactor, os.environ.get("NOTIFY_SOCKET")).setServiceParent(self.app_services)
         self.store = DataStore(self.db)
         self.setup_caches(handler)
         positions = PositionSource(handler, config.replication.wait_for_position_timeout_s)
@@ -152,11 +161,18 @@ class SynflowProcess(ProcessService):
             self._listen("internal", own.server_endpoint(), build_site({RPC_PREFIX: self.rpc_server}, health=health,
                                                                        max_body_bytes=max_body))
         if config.listener("federation") is not None:
+            allowed = (config.federation.allowed_origins if config.federation.allowed_origins is not None
+                       else sorted(config.federation.destinations))
+            client = TreqFederationTransport.from_config(self.reactor, config.federation, server_name=config.server_name)
             self.federation_inbound = inbound_handler(
                 self.db, self.router, handler,
-                allowed_origins=(config.federation.allowed_origins if config.federation.allowed_origins is not None
-                                 else sorted(config.federation.destinations)),
+                allowed_origins=allowed,
                 max_body_bytes=config.federation.max_body_bytes, max_json_depth=config.limits.max_json_depth,
+                missing_events=client,
+            )
+            self.missing_events = MissingEventsResource(
+                SqlMissingEventsStore(self.db, config.server_name), allowed_origins=allowed,
+                max_json_depth=config.limits.max_json_depth,
             )
         if config.app == "federation_sender":
             await self.setup_federation_sender(handler)
@@ -177,7 +193,8 @@ class SynflowProcess(ProcessService):
         if kind == "client" and self.client_api is not None:
             return {CLIENT_PREFIX: self.client_api}
         if kind == "federation" and self.federation_inbound is not None:
-            return {FEDERATION_SEND_PREFIX: self.federation_inbound.resource()}
+            return {FEDERATION_SEND_PREFIX: self.federation_inbound.resource(),
+                    GET_MISSING_EVENTS_PREFIX: self.missing_events}
         return {}
 
     async def setup_federation_sender(self, handler: Any) -> None:
@@ -187,7 +204,7 @@ class SynflowProcess(ProcessService):
         store = SqlDestinationStore(self.db)
         self.follower = EventsFollower(store, handler, self.instances, config.server_name,
                                        config.instance_name, self.reactor)
-        transport = TreqFederationTransport.from_config(self.reactor, config.federation)
+        transport = TreqFederationTransport.from_config(self.reactor, config.federation, server_name=config.server_name)
         self.federation_sender = FederationSender(
             server_name=config.server_name, instance_name=config.instance_name,
             instances=config.federation_sender_instances, store=store, transport=transport,

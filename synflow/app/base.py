@@ -21,12 +21,14 @@ from typing import Any
 import attrs
 from twisted.application.service import MultiService
 from twisted.internet.defer import Deferred, succeed
+from twisted.internet.threads import deferToThreadPool
 
 from synflow.app.replication import Replication, setup_replication
 from synflow.app.services import DatabaseProbe
 from synflow.audit import AuditLog
 from synflow.config import SynflowConfig
 from synflow.errors import SynflowError
+from synflow.storage.createdb import ensure_database_txn
 from synflow.storage.engines import Database, DatabaseConfig
 from synflow.storage.instances import InstanceMap
 from synflow.storage.prepare import prepare_database, wait_for_schema
@@ -79,7 +81,11 @@ class ProcessService(MultiService):
             config.audit_dir, config.instance_name, self.reactor,
             max_bytes=config.audit.max_bytes, enabled=config.audit.enabled,
         )
-        db = self.db = Database(self.reactor, database_config(config))
+        db_config = database_config(config)
+        if config.app == "master" and db_config.engine == "postgres":
+            if await deferToThreadPool(self.reactor, self.reactor.getThreadPool(), ensure_database_txn, db_config):
+                logger.info("created the PostgreSQL database %r", db_config.dbname)
+        db = self.db = Database(self.reactor, db_config)
         self.db_probe = DatabaseProbe(db, self.reactor)
         self.db_probe.setServiceParent(self.app_services)
         if config.app == "master":

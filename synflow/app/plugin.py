@@ -51,6 +51,7 @@ def makeService(options: Options) -> IService:
     from twisted.internet import reactor
 
     from synflow.app.build import build_service, setup_logging
+    from synflow.app.logs import make_observer, with_log_observer
     from synflow.config import load_config
 
     try:
@@ -60,7 +61,9 @@ def makeService(options: Options) -> IService:
             sys.exit(0)
         config.replication_secret()  # created now if missing: a bad secret file is a config error
         setup_logging(config)
-        return build_service(config, reactor)
+        twistd = getattr(options, "parent", None) or {}
+        observer = make_observer(config, twistd.get("logfile"), bool(twistd.get("nodaemon")))
+        return with_log_observer(build_service(config, reactor), observer)
     except ConfigError as e:
         # twistd would print a traceback; an operator needs one clear line.
         sys.stderr.write(f"synflow: configuration error: {e}\n")

@@ -43,14 +43,12 @@ from collections.abc import Callable, Sequence
 from typing import Any, Final, Protocol
 
 import attrs
-import txredisapi
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.python.failure import Failure
 
 from synflow.config import CacheConfig
 from synflow.errors import ConfigError, SynflowError
-from synflow.replication.redis import redis_endpoint, redis_password
 from synflow.sharding import shard_for
 
 #: How long a tier request may take before the reader gives up and reads the
@@ -300,6 +298,11 @@ def open_tier(reactor: Any, config: CacheConfig, prefix: str) -> CacheTier | Non
     cfg = config.tier
     if cfg is None:
         return None
+    # The Redis driver is optional (the ``redis`` extra); config validation checks it is there.
+    import txredisapi
+
+    from synflow.replication.redis import redis_endpoint, redis_password
+
     try:
         password = redis_password(cfg)
         endpoint = redis_endpoint(reactor, cfg)

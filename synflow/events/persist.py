@@ -5,13 +5,21 @@ One writer per room: rooms shard over ``stream_writers.events`` with
 only process that writes it and may link each event to the room's previous
 event without locks. A batch of events (from any rooms it owns) is written in
 one transaction: for each event it checks the rules (room exists, sender is
-joined, ...), assigns its stream ID, writes the event, the room's head, its
+of :mod:`synflow.events.auth`, with the room's members, join rule and power
+levels as the transaction sees them), assigns its stream ID, writes the event, the room's head, its
 current state and membership, the remote servers that must receive it, and
 the cache invalidations the change implies -- and announces all of it only
 once the transaction has committed.
 
 A client's ``(user, txn_id)`` makes a send idempotent: a retry returns the
-event persisted the first time. A remote PDU is idempotent by its event ID.
+event persisted the first time. The client API puts the whole request in
+``txn_id`` (device, room, event type and the client's transaction ID), so
+the same client transaction ID in another room is another send. A remote PDU is idempotent by its event ID.
+
+Every event's fields are checked against :mod:`synflow.events.bounds` before
+it is queued, so a malformed event is refused alone; and should a batch's
+transaction still fail, each of its events is retried in a transaction of its
+own, so one bad event never takes the others of its batch down with it.
 """
 
 from __future__ import annotations
@@ -28,6 +36,9 @@ from twisted.internet.interfaces import IReactorTime
 
 from synflow.caching import CURRENT_STATE_CACHE_NAME, invalidation_rows
 from synflow.errors import HttpApiError
+from synflow.events import auth
+from synflow.events.auth import AuthError, JoinRule, PowerLevels, RoomView
+from synflow.events.bounds import event_refusal
 from synflow.metrics import counter, histogram
 from synflow.sharding import shard_for
 from synflow.storage.id_generators import StreamWriteContext, StreamWriters
@@ -48,13 +59,9 @@ MAX_IN_FLIGHT = 4
 #: The batched cache name for a room's current-state change (keys: room, members).
 CURRENT_STATE_CACHE = CURRENT_STATE_CACHE_NAME
 
-MEMBER = "m.room.member"
-CREATE = "m.room.create"
-
-
-def server_of(user_id: str) -> str:
-    """The server part of ``@user:server``."""
-    return user_id.partition(":")[2]
+MEMBER = auth.MEMBER
+CREATE = auth.CREATE
+server_of = auth.server_of
 
 
 @attrs.frozen
@@ -118,23 +125,18 @@ class PersistResult:
             raise HttpApiError(code, errcode, msg)
 
 
-class _Refused(Exception):
-    def __init__(self, code: int, errcode: str, msg: str) -> None:
-        self.error = (code, errcode, msg)
-
-
 @attrs.define
 class _RoomState:
-    """A room's head and memberships as this transaction sees them."""
+    """A room's head, and what the rules see of it (``view``), as this transaction sees them."""
 
-    exists: bool = False
-    created: bool = False
-    creator: str = ""
+    view: RoomView
     created_ts: int = 0
     latest_event_id: str | None = None
     depth: int = 0
-    members: dict[str, str] = attrs.Factory(dict)
-    touched: bool = False
+
+    @property
+    def members(self) -> dict[str, str]:
+        return self.view.members
 
     def remote_hosts(self, local: str) -> set[str]:
         return {server_of(u) for u, m in self.members.items() if m in ("join", "invite")} - {local}
@@ -148,7 +150,7 @@ class _Accepted:
     prev_event_id: str | None
     depth: int
     destinations: list[str] | None
-    implicit_join: bool
+    sender_vouched: bool
 
 
 def _marks(n: int) -> str:
@@ -156,17 +158,33 @@ def _marks(n: int) -> str:
 
 
 def _load_rooms_txn(txn: Any, room_ids: set[str]) -> dict[str, _RoomState]:
-    rooms = {r: _RoomState() for r in room_ids}
+    rooms = {r: _RoomState(RoomView(r)) for r in room_ids}
     ids = sorted(room_ids)
     txn.execute(
         f"SELECT room_id, creator, created_ts, latest_event_id, latest_depth FROM rooms WHERE room_id IN ({_marks(len(ids))})",
         ids,
     )
     for room_id, creator, created_ts, latest, depth in txn.fetchall():
-        rooms[room_id] = _RoomState(True, False, creator, int(created_ts), latest, int(depth))
+        rooms[room_id] = _RoomState(RoomView(room_id, True, creator), int(created_ts), latest, int(depth))
     txn.execute(f"SELECT room_id, user_id, membership FROM room_memberships WHERE room_id IN ({_marks(len(ids))})", ids)
     for room_id, user_id, membership in txn.fetchall():
         rooms[room_id].members[user_id] = membership
+    txn.execute(
+        "SELECT cs.room_id, cs.type, e.content FROM current_state cs JOIN events e ON e.event_id = cs.event_id "
+        f"WHERE cs.room_id IN ({_marks(len(ids))}) AND cs.state_key = '' AND cs.type IN (?, ?)",
+        (*ids, auth.JOIN_RULES, auth.POWER_LEVELS),
+    )
+    for room_id, event_type, content in txn.fetchall():
+        view = rooms[room_id].view
+        # State stored before the rules existed may not parse: it then counts as absent.
+        try:
+            parsed = json.loads(content)
+            if event_type == auth.JOIN_RULES:
+                view.join_rule = JoinRule(parsed["join_rule"])
+            else:
+                view.power_levels = PowerLevels.from_content(parsed)
+        except (ValueError, KeyError, TypeError, AuthError) as e:
+            logger.warning("ignoring unparsable %s of room %s: %s", event_type, room_id, e)
     return rooms
 
 
@@ -240,19 +258,23 @@ def persist_events_txn(
                 continue
         room = rooms[spec.room_id]
         try:
-            _check(spec, room, server_name)
-        except _Refused as r:
-            results[i] = PersistResult(None, None, instance_name, r.error)
+            decision = auth.authorize(spec, room.view, server_name=server_name, origin=spec.origin)
+        except AuthError as e:
+            results[i] = PersistResult(None, None, instance_name, (e.code, e.errcode, e.msg))
             continue
         local = spec.origin == server_name
         before = room.remote_hosts(server_name) if local else set()
-        implicit_join = _apply_to_state(spec, room, server_name, now_ms)
+        if not room.view.exists:
+            # A room created here, or a remote room this server was just invited to.
+            room.created_ts = now_ms
+            room.view.creator = spec.sender if spec.type == CREATE else ""
+        auth.apply(spec, room.view, decision)
         event_id = spec.event_id or event_ids[i]
         destinations = sorted(before | room.remote_hosts(server_name)) if local else None
         room.depth += 1
-        accepted.append(_Accepted(i, spec, event_id, room.latest_event_id, room.depth, destinations, implicit_join))
+        accepted.append(_Accepted(i, spec, event_id, room.latest_event_id, room.depth, destinations,
+                                  decision.sender_vouched))
         room.latest_event_id = event_id
-        room.touched = True
     if accepted:
         ids = ctx.allocate("events", len(accepted))
         _write_txn(ctx, accepted, ids, rooms, instance_name, now_ms)
@@ -284,7 +306,7 @@ def _write_txn(ctx: StreamWriteContext, accepted: list[_Accepted], ids: list[int
         if spec.state_key is not None:
             state.append((spec.room_id, spec.type, spec.state_key, a.event_id))
             changed.setdefault(spec.room_id, {})
-        if a.implicit_join:
+        if a.sender_vouched:
             members.append((spec.room_id, spec.sender, server_of(spec.sender), "join", a.event_id, stream_id))
             changed.setdefault(spec.room_id, {})[spec.sender] = None
         if spec.membership is not None and spec.state_key is not None:
@@ -303,7 +325,7 @@ def _write_txn(ctx: StreamWriteContext, accepted: list[_Accepted], ids: list[int
     txn.insert_many("events", EVENT_COLUMNS, events)
     txn.upsert_many(
         "rooms", ("room_id",), ("creator", "created_ts", "latest_event_id", "latest_depth", "latest_stream_ordering"),
-        [(r, rooms[r].creator, rooms[r].created_ts, *head) for r, head in heads.items()],
+        [(r, rooms[r].view.creator, rooms[r].created_ts, *head) for r, head in heads.items()],
     )
     txn.upsert_many("current_state", ("room_id", "type", "state_key"), ("event_id",), state)
     txn.upsert_many("room_memberships", ("room_id", "user_id"),
@@ -334,50 +356,6 @@ def write_invalidations_txn(ctx: StreamWriteContext, instance_name: str, rows: S
     )
     for sid, row in zip(ids, rows, strict=True):
         ctx.add_rows("caches", sid, [row])
-
-
-def _check(spec: EventSpec, room: _RoomState, server_name: str) -> None:
-    local = spec.origin == server_name
-    if spec.type == CREATE:
-        if room.exists or room.created:
-            raise _Refused(409, "M_ROOM_IN_USE", f"room {spec.room_id} already exists")
-        return
-    if not (room.exists or room.created):
-        if local:
-            raise _Refused(404, "M_NOT_FOUND", f"unknown room {spec.room_id}")
-        return  # the first PDU we see of a remote room creates our record of it
-    if not local:
-        return
-    membership = room.members.get(spec.sender)
-    kind = spec.membership
-    if kind == "join":
-        if spec.state_key != spec.sender:
-            raise _Refused(403, "M_FORBIDDEN", "a user can only join as themselves")
-    elif kind == "leave":
-        if spec.state_key != spec.sender:
-            raise _Refused(403, "M_FORBIDDEN", "a user can only leave as themselves")
-        if membership not in ("join", "invite"):
-            raise _Refused(403, "M_FORBIDDEN", f"{spec.sender} is not in room {spec.room_id}")
-    elif membership != "join":
-        raise _Refused(403, "M_FORBIDDEN", f"{spec.sender} is not joined to room {spec.room_id}")
-
-
-def _apply_to_state(spec: EventSpec, room: _RoomState, server_name: str, now_ms: int) -> bool:
-    """Apply an accepted event to the room's state; True if it made its remote sender a member."""
-    if not room.exists and not room.created:
-        # A room created here, or a remote room known from now on.
-        room.created = True
-        room.creator = spec.sender
-        room.created_ts = now_ms
-    implicit_join = False
-    if spec.origin != server_name and spec.sender not in room.members:
-        # A remote server's user acting in the room is in it, as far as we know
-        # (without full state resolution, that is what we can tell).
-        room.members[spec.sender] = "join"
-        implicit_join = True
-    if spec.membership is not None and spec.state_key is not None:
-        room.members[spec.state_key] = spec.membership
-    return implicit_join
 
 
 def _first_error(failure: Any) -> Any:
@@ -423,7 +401,12 @@ class EventPersister:
         return shard_for(room_id, self.event_writers)
 
     def persist(self, specs: Sequence[EventSpec]) -> Deferred[list[PersistResult]]:
-        """Queue events for the next batches; fires with one result per event."""
+        """Queue events for the next batches; fires with one result per event.
+
+        Takes events from clients and remote servers (directly or over RPC):
+        each is checked against :mod:`synflow.events.bounds` first, and one
+        out of bounds gets its own 400 result without being queued.
+        """
         from twisted.internet.defer import gatherResults
 
         ds = []
@@ -434,7 +417,11 @@ class EventPersister:
                                    f"room {spec.room_id} belongs to event persister {owner!r}, not {self.instance_name!r}",
                                    owner=owner)
             d: Deferred[PersistResult] = Deferred()
-            self._pending.append((spec, d))
+            refusal = event_refusal(spec.to_json())
+            if refusal is not None:
+                d.callback(PersistResult(None, None, self.instance_name, refusal))
+            else:
+                self._pending.append((spec, d))
             ds.append(d)
         self._start_batches()
         return gatherResults(ds, consumeErrors=True).addErrback(_first_error)
@@ -474,16 +461,39 @@ class EventPersister:
             for w in waiters:
                 w.callback(None)
 
-    def _run_batch(self, batch: list[tuple[EventSpec, Deferred[PersistResult]]], rooms: set[str]) -> None:
-        specs = [s for s, _ in batch]
+    def _write(self, specs: list[EventSpec]) -> Deferred[list[PersistResult]]:
         ids = [s.event_id or self.new_event_id() for s in specs]
         now_ms = int(self.clock.seconds() * 1000)
-        started = time.perf_counter()
-        BATCH_SIZE.observe(len(batch))
-        d = self.writers.run_write(
+        return self.writers.run_write(
             "persist_events", ["events", "caches"], persist_events_txn, specs, ids,
             server_name=self.server_name, instance_name=self.instance_name, now_ms=now_ms,
         )
+
+    async def _write_alone(self, batch: list[tuple[EventSpec, Deferred[PersistResult]]]) -> list[PersistResult]:
+        """After a batch failed: each event in a transaction of its own, in order; only a failing one fails."""
+        results = []
+        for spec, _ in batch:
+            try:
+                (result,) = await self._write([spec])
+            except Exception as e:
+                logger.warning("persisting event %s of room %s failed alone: %s", spec.event_id or spec.txn_id,
+                               spec.room_id, e)
+                result = PersistResult(None, None, self.instance_name,
+                                       (500, "M_UNKNOWN", f"the event could not be stored: {type(e).__name__}"))
+            results.append(result)
+        return results
+
+    def _run_batch(self, batch: list[tuple[EventSpec, Deferred[PersistResult]]], rooms: set[str]) -> None:
+        specs = [s for s, _ in batch]
+        started = time.perf_counter()
+        BATCH_SIZE.observe(len(batch))
+        d = self._write(specs)
+        if len(batch) > 1:
+            def alone(failure: Any) -> Deferred[list[PersistResult]]:
+                logger.warning("persisting a batch of %d events failed (%s); retrying each alone",
+                               len(batch), failure.getErrorMessage())
+                return Deferred.fromCoroutine(self._write_alone(batch))
+            d.addErrback(alone)
 
         def done(results: list[PersistResult]) -> None:
             BATCH_SECONDS.observe(time.perf_counter() - started)

@@ -9,7 +9,8 @@ Three layers, each usable alone:
 * :class:`InboundTransactionHandler` -- deduplicates on ``(origin, txn_id)``
   through a :class:`~synflow.federation.interfaces.DedupeStore`, persists each
   PDU through an injected callable, reports the origin as up, and returns
-  ``(code, json_body)``;
+  ``(code, json_body)`` (503, unremembered, when a PDU cannot be persisted
+  now, so the sender retries);
 * :class:`SendResource` -- the twisted.web glue: mount it at
   ``/_matrix/federation/v1/send`` (it reads the transaction ID from the
   remaining path). It declares the handler's body limit as its
@@ -33,8 +34,10 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
 from synflow.errors import HttpApiError
+from synflow.events.bounds import FieldError, check_json_value
 from synflow.federation import metrics
 from synflow.federation.interfaces import DedupeStore, JsonDict
+from synflow.federation.pdus import INBOUND_PDUS_REFUSED, pdu_refusal
 from synflow.federation.policy import MAX_EDUS_PER_TRANSACTION, MAX_PDUS_PER_TRANSACTION
 
 logger = logging.getLogger(__name__)
@@ -45,8 +48,10 @@ DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024
 DEFAULT_MAX_JSON_DEPTH = 64
 #: The longest transaction ID accepted.
 MAX_TXN_ID_LENGTH = 255
-
-_PDU_STRING_KEYS = ("event_id", "room_id", "type", "sender")
+#: ``persist_pdu`` errors that say this server cannot persist now (a persister
+#: unreachable), not that the PDU is bad: the transaction is answered 503 and
+#: not remembered, so the sender retries it.
+TRANSIENT_PERSIST_CODES = frozenset({502, 503, 504})
 
 
 @attrs.frozen
@@ -66,6 +71,8 @@ class Transaction:
     origin_server_ts: int
     pdus: tuple[JsonDict, ...] = attrs.field(eq=False, repr=False)
     edus: tuple[JsonDict, ...] = attrs.field(eq=False, repr=False)
+    #: Event ID -> why that PDU is refused (out of bounds); it is answered, never persisted.
+    refused: dict[str, str] = attrs.field(factory=dict, eq=False, repr=False)
 
 
 def _bad(message: str, errcode: str = "M_BAD_JSON") -> HttpApiError:
@@ -97,18 +104,13 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_pdu(index: int, pdu: Any) -> None:
+def _check_pdu(index: int, pdu: Any) -> str | None:
+    """Refuse the transaction for a PDU it cannot answer for; return why an answerable PDU is refused alone."""
     if not isinstance(pdu, dict):
         raise _bad(f"pdus[{index}] is {type(pdu).__name__}, not an object")
-    for key in _PDU_STRING_KEYS:
-        if not isinstance(pdu.get(key), str) or not pdu[key]:
-            raise _bad(f"pdus[{index}].{key} must be a non-empty string")
-    if not isinstance(pdu.get("content"), dict):
-        raise _bad(f"pdus[{index}].content must be an object")
-    if not _is_int(pdu.get("origin_server_ts")):
-        raise _bad(f"pdus[{index}].origin_server_ts must be an integer")
-    if "state_key" in pdu and not isinstance(pdu["state_key"], str):
-        raise _bad(f"pdus[{index}].state_key must be a string")
+    if not isinstance(pdu.get("event_id"), str) or not pdu["event_id"]:
+        raise _bad(f"pdus[{index}].event_id must be a non-empty string")
+    return pdu_refusal(pdu)
 
 
 def _check_edu(index: int, edu: Any) -> None:
@@ -118,6 +120,16 @@ def _check_edu(index: int, edu: Any) -> None:
         raise _bad(f"edus[{index}].edu_type must be a non-empty string")
     if not isinstance(edu.get("content"), dict):
         raise _bad(f"edus[{index}].content must be an object")
+
+
+def _edu_in_bounds(index: int, edu: JsonDict, origin: str) -> bool:
+    """Whether an EDU's content is in bounds (finite, ranged, UTF-8); one that is not is dropped alone."""
+    try:
+        check_json_value(edu, f"edus[{index}]")
+    except FieldError as e:
+        logger.info("dropped an EDU from %s: %s", origin, e)
+        return False
+    return True
 
 
 def _parse(raw_body: bytes, max_body_bytes: int, max_json_depth: int) -> dict[str, Any]:
@@ -138,6 +150,25 @@ def _parse(raw_body: bytes, max_body_bytes: int, max_json_depth: int) -> dict[st
     if _depth_exceeds(body, max_json_depth):
         raise _bad(f"JSON is nested more than {max_json_depth} levels deep")
     return body
+
+
+def parse_body(raw_body: bytes, max_body_bytes: int, max_json_depth: int) -> dict[str, Any]:
+    """A federation request body from a remote server as a JSON object, every refusal a 400.
+
+    Raises:
+        HttpApiError: 400 ``M_TOO_LARGE``, ``M_NOT_JSON`` (not UTF-8, not
+            JSON, NaN or Infinity) or ``M_BAD_JSON`` (not an object, too deep).
+    """
+    return _parse(raw_body, max_body_bytes, max_json_depth)
+
+
+def check_pdu(index: int, pdu: Any) -> None:
+    """Check the shape of one PDU from a remote server, as ``/send`` does.
+
+    Raises:
+        HttpApiError: 400 ``M_BAD_JSON`` naming ``pdus[index]`` and the field.
+    """
+    _check_pdu(index, pdu)
 
 
 def validate_transaction(
@@ -165,11 +196,15 @@ def validate_transaction(
         HttpApiError: 400 ``M_TOO_LARGE`` (body over the limit, more than 50
             PDUs or 100 EDUs), 400 ``M_NOT_JSON`` (not UTF-8, not JSON, NaN or
             Infinity), 400 ``M_BAD_JSON`` (not an object, too deep, a missing or
-            ill-typed field, a malformed PDU or EDU), 400 ``M_INVALID_PARAM``
-            (a bad transaction ID), 400 ``M_FORBIDDEN`` (origin not allowed or
-            not the authenticated one). Every refusal is a 400, as the
-            issue's contract for inbound garbage asks; the ``errcode`` says
-            which kind it was.
+            ill-typed field, a PDU without a string ``event_id``, a malformed
+            EDU, NaN/Infinity or an out-of-range integer outside the PDUs and
+            EDUs), 400 ``M_INVALID_PARAM`` (a bad transaction ID), 400
+            ``M_FORBIDDEN`` (origin not allowed or not the authenticated one).
+            Every refusal is a 400, as the issue's contract for inbound
+            garbage asks; the ``errcode`` says which kind it was. A PDU with
+            an ``event_id`` but bad otherwise is not a refusal of the
+            transaction: it is listed in ``Transaction.refused`` and answered
+            alone; an EDU out of bounds is dropped alone.
     """
     if not isinstance(txn_id, str) or not txn_id or len(txn_id) > MAX_TXN_ID_LENGTH:
         raise HttpApiError(400, "M_INVALID_PARAM", f"transaction ID must be 1 to {MAX_TXN_ID_LENGTH} characters")
@@ -194,12 +229,20 @@ def validate_transaction(
         raise HttpApiError(400, "M_TOO_LARGE", f"{len(pdus)} PDUs, more than {MAX_PDUS_PER_TRANSACTION}")
     if len(edus) > MAX_EDUS_PER_TRANSACTION:
         raise HttpApiError(400, "M_TOO_LARGE", f"{len(edus)} EDUs, more than {MAX_EDUS_PER_TRANSACTION}")
+    refused: dict[str, str] = {}
     for i, pdu in enumerate(pdus):
-        _check_pdu(i, pdu)
+        why = _check_pdu(i, pdu)
+        if why is not None:
+            refused.setdefault(pdu["event_id"], why)
     for i, edu in enumerate(edus):
         _check_edu(i, edu)
+    try:
+        check_json_value({k: v for k, v in body.items() if k not in ("pdus", "edus")}, "transaction")
+    except FieldError as e:
+        raise _bad(str(e)) from None
+    edus = [edu for i, edu in enumerate(edus) if _edu_in_bounds(i, edu, origin)]
     assert isinstance(origin_server_ts, int)
-    return Transaction(origin, txn_id, origin_server_ts, tuple(pdus), tuple(edus))
+    return Transaction(origin, txn_id, origin_server_ts, tuple(pdus), tuple(edus), refused)
 
 
 PersistPdu = Callable[[str, JsonDict], "Deferred[object] | object"]
@@ -299,9 +342,19 @@ class InboundTransactionHandler:
             event_id = pdu["event_id"]
             if event_id in results:
                 continue
+            if event_id in txn.refused:
+                INBOUND_PDUS_REFUSED.inc()
+                results[event_id] = {"error": txn.refused[event_id]}
+                continue
             try:
                 await maybeDeferred(self._persist_pdu, txn.origin, pdu)
             except HttpApiError as e:
+                if e.code in TRANSIENT_PERSIST_CODES:
+                    # Not this PDU's fault (a persister is unreachable): fail the whole transaction,
+                    # unremembered, so the sender retries it; what was persisted is idempotent.
+                    metrics.INBOUND_TRANSACTIONS.labels(outcome="retry").inc()
+                    logger.warning("/send %s from %s: %s; answering 503 for a retry", txn.txn_id, txn.origin, e.msg)
+                    return 503, {"errcode": "M_UNKNOWN", "error": f"cannot persist now, retry: {e.msg}"}
                 results[event_id] = {"error": e.msg}
             except Exception as e:
                 logger.warning("persisting %s from %s failed: %s", event_id, txn.origin, e)

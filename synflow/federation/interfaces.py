@@ -130,6 +130,28 @@ class DestinationStore(Protocol):
         """
         ...
 
+    def count_catch_up_events(
+        self, destination: str, after: StreamToken, upto: StreamToken, limit: int
+    ) -> Deferred[int]:
+        """How many local events the destination still needs, counting at most ``limit``.
+
+        The events created here whose recorded destinations include
+        ``destination``, **not covered by** ``after`` and **covered by**
+        ``upto``; the count stops at ``limit`` (the caller passes
+        ``catch_up_max_events + 1``).
+        """
+        ...
+
+    def get_catch_up_events(
+        self, destination: str, after: StreamToken, upto: StreamToken, limit: int
+    ) -> Deferred[list[Pdu]]:
+        """Every event the destination still needs, not only each room's latest.
+
+        The events :meth:`count_catch_up_events` counts, ordered by
+        ``(stream_ordering, instance_id)`` ascending, at most ``limit``.
+        """
+        ...
+
     def outstanding_destinations(self, upto: StreamToken) -> Deferred[list[str]]:
         """Destinations with at least one ``destination_rooms`` entry still needed.
 
@@ -145,6 +167,19 @@ class FederationTransport(Protocol):
 
     def send_transaction(self, destination: str, txn_id: str, body: JsonDict) -> Deferred[JsonDict]:
         """``PUT /_matrix/federation/v1/send/{txn_id}`` with ``body``.
+
+        Returns:
+            A Deferred firing with the reply (a JSON object), or failing with
+            :class:`TransactionFailed`.
+        """
+        ...
+
+
+class MissingEventsTransport(Protocol):
+    """Asks a remote server for the events of a room this server is missing."""
+
+    def get_missing_events(self, destination: str, room_id: str, body: JsonDict) -> Deferred[JsonDict]:
+        """``POST /_matrix/federation/v1/get_missing_events/{room_id}`` with ``body``.
 
         Returns:
             A Deferred firing with the reply (a JSON object), or failing with

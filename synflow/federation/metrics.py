@@ -19,9 +19,19 @@ Totals (counters, no destination label, so cardinality stays bounded):
   -- PDUs / EDUs carried by failed attempts (a transaction retried three
   times counts its PDUs three times);
 * ``synflow_federation_catch_up_entered_total``;
+* ``synflow_federation_catch_ups_total{mode}`` -- catch-ups begun, by what
+  they send: ``every_event`` or ``latest_per_room`` (past
+  ``catch_up_max_events``);
+* ``synflow_federation_missing_events_pulled_total{outcome}`` -- events the
+  receiver pulled with ``get_missing_events`` (``persisted``, ``refused``),
+  and ``synflow_federation_missing_events_requests_total{outcome}``
+  (``ok``, ``failed``, ``gap_left``: the gap was larger than the bound);
+* ``synflow_federation_missing_events_served_total`` -- events served to
+  remote servers' ``get_missing_events``;
 * ``synflow_federation_transaction_seconds`` -- a histogram of round trips;
 * ``synflow_federation_inbound_transactions_total{outcome}`` -- ``accepted``,
-  ``duplicate`` or ``rejected``.
+  ``duplicate``, ``rejected`` or ``retry`` (answered 503: a PDU could not be
+  persisted now).
 """
 
 from __future__ import annotations
@@ -56,6 +66,16 @@ PDUS_FAILED = counter("synflow_federation_pdus_failed_total", "PDUs carried by f
 EDUS_FAILED = counter("synflow_federation_edus_failed_total", "EDUs carried by failed /send attempts")
 CATCH_UP_ENTERED = counter(
     "synflow_federation_catch_up_entered_total", "Times a destination's queue was dropped for catch-up"
+)
+CATCH_UPS = counter("synflow_federation_catch_ups_total", "Catch-ups begun, by what they send", ["mode"])
+MISSING_EVENTS_PULLED = counter(
+    "synflow_federation_missing_events_pulled_total", "Events pulled with get_missing_events", ["outcome"]
+)
+MISSING_EVENTS_REQUESTS = counter(
+    "synflow_federation_missing_events_requests_total", "Gaps the receiver tried to fill", ["outcome"]
+)
+MISSING_EVENTS_SERVED = counter(
+    "synflow_federation_missing_events_served_total", "Events served to get_missing_events requests"
 )
 TRANSACTION_SECONDS = histogram(
     "synflow_federation_transaction_seconds",

@@ -6,7 +6,11 @@ hypothesis on their own (``tests/federation/test_policy.py``):
 
 * **bounds** -- a transaction carries at most :data:`MAX_PDUS_PER_TRANSACTION`
   PDUs and :data:`MAX_EDUS_PER_TRANSACTION` EDUs, oldest first; catch-up reads
-  :data:`CATCH_UP_BATCH` rooms at a time;
+  and sends :data:`CATCH_UP_BATCH` entries at a time;
+* **catch-up mode** -- :func:`choose_catch_up_mode`: every unacknowledged
+  event (:attr:`CatchUpMode.EVERY_EVENT`) while a destination owes at most
+  ``federation.catch_up_max_events``, else the latest event of each room
+  (:attr:`CatchUpMode.LATEST_PER_ROOM`), whose gaps the remote pulls;
 * **retry state** -- :class:`RetryState` is what the ``destinations`` table
   stores (``retry_last_ts``, ``retry_interval``, ``failure_ts``, all ms) with
   its transitions: a failure grows the interval (capped exponential with
@@ -20,6 +24,7 @@ hypothesis on their own (``tests/federation/test_policy.py``):
 
 from __future__ import annotations
 
+import enum
 import itertools
 import random
 from collections.abc import Iterable, Sequence
@@ -38,8 +43,35 @@ if TYPE_CHECKING:
 MAX_PDUS_PER_TRANSACTION: Final = 50
 #: The most EDUs one ``/send`` transaction carries (the Matrix limit).
 MAX_EDUS_PER_TRANSACTION: Final = 100
-#: How many ``destination_rooms`` entries one catch-up step reads (and sends).
+#: How many entries one catch-up step reads and sends as one transaction (at
+#: most :data:`MAX_PDUS_PER_TRANSACTION`).
 CATCH_UP_BATCH: Final = 50
+
+
+class CatchUpMode(enum.Enum):
+    """What a catch-up sends to a destination."""
+
+    #: Every event the destination has not acknowledged, oldest first.
+    EVERY_EVENT = "every_event"
+    #: Only the latest event of each room; the remote pulls the gaps with ``get_missing_events``.
+    LATEST_PER_ROOM = "latest_per_room"
+
+
+def choose_catch_up_mode(owed: int, max_events: int) -> CatchUpMode:
+    """The catch-up mode of a destination that owes ``owed`` events.
+
+    Args:
+        owed: how many unacknowledged events the destination needs (a count
+            read with limit ``max_events + 1`` is enough).
+        max_events: ``federation.catch_up_max_events``.
+
+    Returns:
+        :attr:`CatchUpMode.EVERY_EVENT` when ``owed <= max_events``, else
+        :attr:`CatchUpMode.LATEST_PER_ROOM`.
+    """
+    if owed < 0 or max_events < 0:
+        raise ValueError(f"owed ({owed}) and max_events ({max_events}) must be >= 0")
+    return CatchUpMode.EVERY_EVENT if owed <= max_events else CatchUpMode.LATEST_PER_ROOM
 
 T = TypeVar("T")
 

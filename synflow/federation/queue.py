@@ -7,9 +7,14 @@ transaction is ever in flight to the destination. Each pass of the loop:
 1. loads the destination's row on first use (retry state, how far it got);
 2. stops if the destination is still backing off (a timer wakes it when the
    interval expires; the sender's periodic wake-up is the safety net);
-3. in **catch-up mode**, reads the next 50 rooms the destination still needs
-   from ``destination_rooms`` and sends their latest events; an empty read
-   leaves catch-up mode;
+3. in **catch-up mode**, reads the next 50 events the destination still
+   needs and sends them as one transaction; an empty read leaves catch-up
+   mode. What it reads is chosen once per catch-up
+   (:func:`~synflow.federation.policy.choose_catch_up_mode`): every
+   unacknowledged event, oldest first, while the destination owes at most
+   ``catch_up_max_events``; past that, the latest event of each room (from
+   ``destination_rooms``), and the remote pulls the gaps with
+   ``get_missing_events``;
 4. otherwise sends the oldest 50 PDUs and 100 EDUs as one transaction.
 
 A failed transaction is retried, with the same transaction ID and content,
@@ -20,7 +25,9 @@ catch-up mode, which finds the dropped PDUs again through the database.
 
 Every queue starts in catch-up mode, as Synapse's do: a fresh process does
 not know what the destination missed before it started, and the queue's own
-position only moves per writer once it has seen everything below.
+position only moves per writer once it has seen everything below. As
+catch-up sends every event it owes (up to the cap), starting there loses
+nothing.
 
 How far the destination got is a vector clock
 (:class:`~synflow.tokens.StreamToken`), so PDUs completed out of order by
@@ -52,11 +59,13 @@ from synflow.federation.interfaces import (
 )
 from synflow.federation.policy import (
     CATCH_UP_BATCH,
+    CatchUpMode,
     RetryState,
     TransactionIds,
     advance_for_sent,
     catch_up_position,
     check_catch_up_batch,
+    choose_catch_up_mode,
     compose_transaction,
     fold_positions,
     transaction_body,
@@ -164,6 +173,8 @@ class PerDestinationQueue:
         self._last_successful: StreamToken | None = None
         self._loaded = False
         self._catching_up = True
+        #: What the current catch-up sends (None: not chosen yet).
+        self._catch_up_mode: CatchUpMode | None = None
         #: Positions of the PDUs not queued because catch-up will find them.
         self._skipped: StreamToken | None = None
         self._running = False
@@ -193,6 +204,11 @@ class PerDestinationQueue:
     def catching_up(self) -> bool:
         """Whether the queue is in catch-up mode."""
         return self._catching_up
+
+    @property
+    def catch_up_mode(self) -> CatchUpMode | None:
+        """What the current catch-up sends (None before its first read, or outside catch-up)."""
+        return self._catch_up_mode
 
     @property
     def retry(self) -> RetryState:
@@ -359,7 +375,20 @@ class PerDestinationQueue:
             # Every PDU handed to send_pdu has its rows written, and so has
             # everything of its writer before it: safe to read up to it.
             upto = upto.merge(self._skipped)
-        pdus = await self._store.get_catch_up_pdus(self.destination, after, upto, CATCH_UP_BATCH)
+        if self._catch_up_mode is None:
+            cap = self._config.catch_up_max_events
+            owed = await self._store.count_catch_up_events(self.destination, after, upto, cap + 1)
+            self._catch_up_mode = choose_catch_up_mode(owed, cap)
+            metrics.CATCH_UPS.labels(mode=self._catch_up_mode.value).inc()
+            if self._catch_up_mode is CatchUpMode.LATEST_PER_ROOM:
+                logger.warning(
+                    "%s: owes more than %d events (federation.catch_up_max_events); catching up with the "
+                    "latest event of each room, the remote pulls the rest", self.destination, cap,
+                )
+        if self._catch_up_mode is CatchUpMode.EVERY_EVENT:
+            pdus = await self._store.get_catch_up_events(self.destination, after, upto, CATCH_UP_BATCH)
+        else:
+            pdus = await self._store.get_catch_up_pdus(self.destination, after, upto, CATCH_UP_BATCH)
         check_catch_up_batch(self.destination, after, upto, pdus)
         if pdus:
             await self._attempt(self._new_transaction(list(pdus), [], after, upto))
@@ -370,6 +399,7 @@ class PerDestinationQueue:
         if self._skipped is None or self._skipped.is_before_or_eq(reached):
             logger.info("%s: catch-up done at %s", self.destination, reached)
             self._catching_up = False
+            self._catch_up_mode = None
             self._skipped = None
         # Otherwise a PDU was skipped while the read ran: read once more.
 
@@ -457,6 +487,7 @@ class PerDestinationQueue:
                 len(self._pending_pdus), len(self._pending_edus),
             )
             metrics.CATCH_UP_ENTERED.inc()
+            self._catch_up_mode = None
         self._skipped = fold_positions(self._skipped, self._pending_pdus)
         if self._txn is not None and not self._txn.catch_up:
             self._txn = None

@@ -1,8 +1,10 @@
 """SQL implementations of the federation stores.
 
 * :class:`SqlDestinationStore` -- retry state and "how far each destination
-  has got" (a vector-clock token) in ``destinations``; catch-up reads from
-  ``destination_rooms`` joined to ``events`` and ``instance_map``.
+  has got" (a vector-clock token) in ``destinations``; catch-up reads every
+  owed event from ``events`` (local events list their destinations, a JSON
+  array matched with ``json_each`` on SQLite and ``@>`` on PostgreSQL), or
+  each room's latest from ``destination_rooms``, joined to ``instance_map``.
 * :class:`SqlDedupeStore` -- inbound transactions already answered, in
   ``received_transactions``.
 
@@ -46,10 +48,36 @@ def event_to_pdu(row: tuple[Any, ...]) -> Pdu:
     return Pdu(event_id, room_id, int(iid), int(so), body)
 
 
-_PDU_COLUMNS = (
+PDU_COLUMNS = (
     "e.room_id, e.stream_ordering, im.instance_id, e.event_id, e.type, e.state_key, e.sender, e.content, "
     "e.origin_server_ts, e.origin, e.prev_event_id, e.depth"
 )
+
+
+def _destination_listed_sql(engine: str) -> str:
+    """SQL true when the JSON list in ``e.destinations`` holds the bound destination."""
+    if engine == "postgres":
+        return "e.destinations::jsonb @> jsonb_build_array(CAST(? AS TEXT))"
+    return "EXISTS (SELECT 1 FROM json_each(e.destinations) d WHERE d.value = ?)"
+
+
+def _owed_events_sql(txn: Txn, destination: str, after: StreamToken,
+                     upto: StreamToken) -> tuple[str, list[Any]]:
+    """``JOIN ... WHERE ...`` of the local events ``destination`` needs in ``(after, upto]``.
+
+    Local events are those with recorded destinations (only events created
+    here have them). The plain ``stream_ordering > floor`` bound (``after``'s minimum,
+    below every writer's position) lets the primary key narrow the scan.
+    """
+    lo, lo_args = _position_sql(after, "im.instance_id")
+    hi, hi_args = _position_sql(upto, "im.instance_id")
+    listed = _destination_listed_sql(txn.engine.name)
+    where = (
+        "JOIN instance_map im ON im.instance_name = e.instance_name "
+        f"WHERE e.stream_ordering > ? AND e.destinations IS NOT NULL AND {listed} "
+        f"AND e.stream_ordering > {lo} AND e.stream_ordering <= {hi}"
+    )
+    return where, [after.minimum, destination, *lo_args, *hi_args]
 
 
 class SqlDestinationStore:
@@ -107,12 +135,39 @@ class SqlDestinationStore:
         lo, lo_args = _position_sql(after, "im.instance_id")
         hi, hi_args = _position_sql(upto, "im.instance_id")
         txn.execute(
-            f"SELECT {_PDU_COLUMNS} FROM destination_rooms dr "
+            f"SELECT {PDU_COLUMNS} FROM destination_rooms dr "
             "JOIN instance_map im ON im.instance_name = dr.instance_name "
             "JOIN events e ON e.stream_ordering = dr.stream_ordering "
             f"WHERE dr.destination = ? AND dr.stream_ordering > {lo} AND dr.stream_ordering <= {hi} "
             "ORDER BY dr.stream_ordering, im.instance_id LIMIT ?",
             (destination, *lo_args, *hi_args, limit),
+        )
+        return [event_to_pdu(tuple(r)) for r in txn.fetchall()]
+
+    def count_catch_up_events(self, destination: str, after: StreamToken, upto: StreamToken,
+                              limit: int) -> Deferred[int]:
+        return self.db.run_interaction("count_catch_up_events", self._count_events_txn, destination, after, upto,
+                                       limit, read_only=True, idempotent=True)
+
+    @staticmethod
+    def _count_events_txn(txn: Txn, destination: str, after: StreamToken, upto: StreamToken, limit: int) -> int:
+        where, args = _owed_events_sql(txn, destination, after, upto)
+        txn.execute(f"SELECT COUNT(*) FROM (SELECT 1 FROM events e {where} LIMIT ?) owed", (*args, limit))
+        row = txn.fetchone()
+        return int(row[0]) if row else 0
+
+    def get_catch_up_events(self, destination: str, after: StreamToken, upto: StreamToken,
+                            limit: int) -> Deferred[list[Pdu]]:
+        return self.db.run_interaction("get_catch_up_events", self._catch_up_events_txn, destination, after, upto,
+                                       limit, read_only=True, idempotent=True)
+
+    @staticmethod
+    def _catch_up_events_txn(txn: Txn, destination: str, after: StreamToken, upto: StreamToken,
+                             limit: int) -> list[Pdu]:
+        where, args = _owed_events_sql(txn, destination, after, upto)
+        txn.execute(
+            f"SELECT {PDU_COLUMNS} FROM events e {where} ORDER BY e.stream_ordering, im.instance_id LIMIT ?",
+            (*args, limit),
         )
         return [event_to_pdu(tuple(r)) for r in txn.fetchall()]
 
@@ -151,7 +206,7 @@ class SqlDestinationStore:
     def _local_events_txn(txn: Txn, instance: str, after: int, upto: int, server_name: str,
                           limit: int) -> list[tuple[Pdu, list[str]]]:
         txn.execute(
-            f"SELECT {_PDU_COLUMNS}, e.destinations FROM events e "
+            f"SELECT {PDU_COLUMNS}, e.destinations FROM events e "
             "JOIN instance_map im ON im.instance_name = e.instance_name "
             "WHERE e.instance_name = ? AND e.stream_ordering > ? AND e.stream_ordering <= ? "
             "AND e.origin = ? AND e.destinations IS NOT NULL ORDER BY e.stream_ordering LIMIT ?",

@@ -1,9 +1,12 @@
-"""Sending ``/send`` transactions over HTTP with treq.
+"""Federation requests over HTTP with treq: ``/send`` and ``get_missing_events``.
 
 :class:`TreqFederationTransport` implements
 :class:`~synflow.federation.interfaces.FederationTransport`: it ``PUT``\\ s the
-transaction's JSON to ``{base_url}/_matrix/federation/v1/send/{txnId}``,
-bounds the whole exchange (connect, request, reply) with a timeout on the
+transaction's JSON to ``{base_url}/_matrix/federation/v1/send/{txnId}``; and
+:class:`~synflow.federation.interfaces.MissingEventsTransport`: it ``POST``\\ s
+to ``{base_url}/_matrix/federation/v1/get_missing_events/{roomId}``. Both go
+through one request path, which adds the ``auth_headers`` (the request
+signature) to every request, bounds the whole exchange (connect, request, reply) with a timeout on the
 injected clock, and turns everything that is not a 2xx JSON object into a
 :class:`~synflow.federation.interfaces.TransactionFailed`:
 
@@ -18,7 +21,7 @@ reply body larger than ``max_response_bytes`` yes
 any other status (3xx, 4xx)                   no
 ============================================  ===========
 
-The client is anything treq-like with a ``put`` method (``treq`` itself, a
+The client is anything treq-like with a ``request`` method (``treq`` itself, a
 :class:`treq.client.HTTPClient`, or :class:`treq.testing.StubTreq` in tests).
 :func:`build_treq_client` makes one on a reactor: TLS is verified by
 default (treq's default browser-like policy); ``verify_tls=False`` is for
@@ -49,8 +52,12 @@ logger = logging.getLogger(__name__)
 
 #: The path of the ``/send`` endpoint, before the URL-quoted transaction ID.
 SEND_PATH = "/_matrix/federation/v1/send/"
+#: The path of ``get_missing_events``, before the URL-quoted room ID.
+GET_MISSING_EVENTS_PATH = "/_matrix/federation/v1/get_missing_events/"
 #: The largest reply body read (a ``/send`` reply is small).
 DEFAULT_MAX_RESPONSE_BYTES = 1024 * 1024
+#: The largest ``get_missing_events`` reply read: 50 events of up to 64 KiB each, and room to spare.
+MAX_MISSING_EVENTS_RESPONSE_BYTES = 4 * 1024 * 1024
 _RETRIABLE_CODES = frozenset({408, 429})
 
 #: ``auth_headers(destination, method, path, body)`` -> extra request headers.
@@ -121,15 +128,18 @@ class TreqFederationTransport:
     """``/send`` over treq.
 
     Args:
-        treq_client: a treq-like client (``put(url, data=..., headers=...)``
+        treq_client: a treq-like client (``request(method, url, data=..., headers=...)``
             returning a Deferred response with ``code`` and ``collect``).
         destinations: server name -> base URL overrides (``federation.destinations``).
         clock: runs the timeout.
         timeout_s: the bound on one whole exchange.
         max_response_bytes: the largest reply body accepted.
         auth_headers: optionally ``auth_headers(destination, method, path,
-            body)`` returns extra headers for the request (for example a
+            body)`` returns extra headers for every request (for example a
             signed ``Authorization: X-Matrix ...``).
+        server_name: our server name; without ``auth_headers``, requests
+            carry an unsigned ``Authorization: X-Matrix
+            origin=...,destination=...`` so the remote knows who asks.
     """
 
     def __init__(
@@ -141,8 +151,10 @@ class TreqFederationTransport:
         *,
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
         auth_headers: AuthHeaders | None = None,
+        server_name: str | None = None,
     ) -> None:
         self._client = treq_client
+        self._server_name = server_name
         self._auth_headers = auth_headers
         self._destinations = dict(destinations)
         self._clock = clock
@@ -150,10 +162,11 @@ class TreqFederationTransport:
         self._max_response_bytes = max_response_bytes
 
     @classmethod
-    def from_config(cls, reactor: Any, config: FederationConfig) -> TreqFederationTransport:
-        """A transport on ``reactor`` configured by the ``federation`` section."""
+    def from_config(cls, reactor: Any, config: FederationConfig, *,
+                    server_name: str | None = None) -> TreqFederationTransport:
+        """A transport on ``reactor`` configured by the ``federation`` section, asking as ``server_name``."""
         client = build_treq_client(reactor, verify_tls=config.verify_tls)
-        return cls(client, config.destinations, reactor, config.request_timeout_s)
+        return cls(client, config.destinations, reactor, config.request_timeout_s, server_name=server_name)
 
     def base_url(self, destination: str) -> str:
         """The base URL of ``destination``: the configured one, else ``https://<server_name>``."""
@@ -165,12 +178,35 @@ class TreqFederationTransport:
 
     def send_transaction(self, destination: str, txn_id: str, body: JsonDict) -> Deferred[JsonDict]:
         """Send one transaction; see the module docstring for the outcomes."""
-        url = self.send_url(destination, txn_id)
+        return self.request_json(destination, "PUT", SEND_PATH + quote(txn_id, safe=""), body, label=txn_id)
+
+    def get_missing_events(self, destination: str, room_id: str, body: JsonDict) -> Deferred[JsonDict]:
+        """``POST get_missing_events/{room_id}``; the outcomes are those of ``/send``."""
+        return self.request_json(destination, "POST", GET_MISSING_EVENTS_PATH + quote(room_id, safe=""), body,
+                                 label=f"get_missing_events {room_id}",
+                                 max_response_bytes=MAX_MISSING_EVENTS_RESPONSE_BYTES)
+
+    def request_json(self, destination: str, method: str, path: str, body: JsonDict, *, label: str = "",
+                     max_response_bytes: int | None = None) -> Deferred[JsonDict]:
+        """One federation request whose reply is a JSON object (every request goes through here).
+
+        Args:
+            destination: the server name (mapped through ``destinations``).
+            method: ``PUT`` or ``POST``.
+            path: the request path, exactly as sent (and signed).
+            body: the JSON body.
+            label: names the request in logs.
+            max_response_bytes: the largest reply read (default: the transport's).
+        """
+        max_bytes = max_response_bytes if max_response_bytes is not None else self._max_response_bytes
+        what = label or path
+        url = self.base_url(destination) + path
         headers = {b"Content-Type": [b"application/json"]}
         if self._auth_headers is not None:
-            path = SEND_PATH + quote(txn_id, safe="")
-            headers.update(self._auth_headers(destination, "PUT", path, body))
-        d = Deferred.fromCoroutine(self._send(url, body, headers))
+            headers.update(self._auth_headers(destination, method, path, body))
+        elif self._server_name is not None:
+            headers[b"Authorization"] = [f"X-Matrix origin={self._server_name},destination={destination}".encode()]
+        d = Deferred.fromCoroutine(self._send(method, url, body, headers, max_bytes))
         # Not Deferred.addTimeout: the agent turns the cancellation into
         # ResponseNeverReceived, so remember that the timeout fired instead.
         timed_out: list[bool] = []
@@ -187,12 +223,13 @@ class TreqFederationTransport:
             return result
 
         d.addBoth(_settled)
-        return d.addErrback(self._classify, destination, txn_id, timed_out)
+        return d.addErrback(self._classify, destination, what, timed_out)
 
-    async def _send(self, url: str, body: JsonDict, headers: dict[bytes, list[bytes]]) -> JsonDict:
+    async def _send(self, method: str, url: str, body: JsonDict, headers: dict[bytes, list[bytes]],
+                    max_bytes: int) -> JsonDict:
         data = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
-        response = await self._client.put(url, data=data, headers=headers)
-        raw = await self._read(response)
+        response = await self._client.request(method, url, data=data, headers=headers)
+        raw = await self._read(response, max_bytes)
         code = response.code
         if 200 <= code < 300:
             try:
@@ -205,31 +242,31 @@ class TreqFederationTransport:
         retriable = code >= 500 or code in _RETRIABLE_CODES
         raise TransactionFailed(f"HTTP {code}: {_snippet(raw)}", retriable=retriable)
 
-    async def _read(self, response: Any) -> bytes:
+    async def _read(self, response: Any, max_bytes: int) -> bytes:
         chunks: list[bytes] = []
         size = 0
 
         def collect(chunk: bytes) -> None:
             nonlocal size
             size += len(chunk)
-            if size > self._max_response_bytes:
+            if size > max_bytes:
                 raise _ReplyTooLarge()
             chunks.append(chunk)
 
         try:
             await response.collect(collect)
         except _ReplyTooLarge:
-            raise TransactionFailed(f"reply is larger than {self._max_response_bytes} bytes") from None
+            raise TransactionFailed(f"reply is larger than {max_bytes} bytes") from None
         return b"".join(chunks)
 
-    def _classify(self, failure: Failure, destination: str, txn_id: str, timed_out: list[bool]) -> Failure:
+    def _classify(self, failure: Failure, destination: str, what: str, timed_out: list[bool]) -> Failure:
         if timed_out:
             return Failure(TransactionFailed(f"no reply within {self._timeout_s}s"))
         if failure.check(TransactionFailed):
             return failure
         if failure.check(defer.CancelledError):
             return failure
-        logger.debug("sending %s to %s failed: %s", txn_id, destination, failure.getTraceback())
+        logger.debug("sending %s to %s failed: %s", what, destination, failure.getTraceback())
         exc = failure.value
         return Failure(TransactionFailed(f"{type(exc).__name__}: {exc}"))
 

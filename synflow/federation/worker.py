@@ -23,10 +23,11 @@ from typing import Any
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
-from synflow.errors import HttpApiError
-from synflow.events.persist import EventSpec, server_of
 from synflow.events.router import EventRouter
+from synflow.federation.gaps import GapFiller, SqlGapStore
 from synflow.federation.inbound import InboundTransactionHandler
+from synflow.federation.interfaces import MissingEventsTransport
+from synflow.federation.pdus import pdu_to_spec
 from synflow.federation.policy import RetryState
 from synflow.federation.sender import FederationSender
 from synflow.federation.storage import SqlDedupeStore, SqlDestinationStore
@@ -144,19 +145,19 @@ async def _noop() -> None:
 
 
 def inbound_handler(db: Any, router: EventRouter, handler: ReplicationHandler, *, allowed_origins: list[str] | None,
-                    max_body_bytes: int, max_json_depth: int) -> InboundTransactionHandler:
-    """The master's inbound transaction handler."""
+                    max_body_bytes: int, max_json_depth: int,
+                    missing_events: MissingEventsTransport | None = None) -> InboundTransactionHandler:
+    """The master's inbound transaction handler.
+
+    With ``missing_events`` (the federation client), a PDU whose
+    ``prev_events`` are unknown here has the missing events pulled from its
+    origin and persisted first (:class:`~synflow.federation.gaps.GapFiller`).
+    """
     destinations = SqlDestinationStore(db)
 
     async def persist_pdu(origin: str, pdu: dict[str, Any]) -> None:
-        if server_of(pdu["sender"]) != origin:
-            raise HttpApiError(403, "M_FORBIDDEN", f"sender {pdu['sender']} is not from origin {origin}")
-        spec = EventSpec(
-            room_id=pdu["room_id"], type=pdu["type"], sender=pdu["sender"], content=pdu["content"],
-            state_key=pdu.get("state_key"), origin=origin, origin_server_ts=pdu["origin_server_ts"],
-            event_id=pdu["event_id"],
-        )
-        (result,) = await router.persist([spec])
+        # The persister applies the room rules (synflow.events.auth) as ``origin``.
+        (result,) = await router.persist([pdu_to_spec(origin, pdu)])
         result.raise_error()
 
     def remote_server_up(origin: str) -> None:
@@ -169,6 +170,9 @@ def inbound_handler(db: Any, router: EventRouter, handler: ReplicationHandler, *
 
     def received_edu(origin: str, edu: dict[str, Any]) -> None:
         EDUS_RECEIVED.labels(edu_type=str(edu.get("edu_type", "?"))[:64]).inc()
+
+    if missing_events is not None:
+        persist = GapFiller(SqlGapStore(db), missing_events, persist).persist_pdu
 
     return InboundTransactionHandler(
         SqlDedupeStore(db), persist, remote_server_up, on_edu=received_edu, allowed_origins=allowed_origins,

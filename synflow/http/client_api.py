@@ -4,13 +4,14 @@
 request                                      response
 ===========================================  =========================================
 ``POST register {"username"}``               ``{"user_id", "access_token", "device_id"}`` (409 if taken)
-``POST rooms {}``                            ``{"room_id"}`` (the creator is joined)
-``POST rooms/{room}/join {}``                ``{}``
+``POST rooms {"preset"?, "visibility"?}``    ``{"room_id"}`` (the creator is joined; see below)
+``POST rooms/{room}/join {}``                ``{}`` (invited, or the room is public)
 ``POST rooms/{room}/leave {}``               ``{}``
 ``POST rooms/{room}/invite {"user_id"}``     ``{}`` (a remote user's server joins the room's destinations)
-``PUT rooms/{room}/send/{type}/{txn_id}``    ``{"event_id", "token"}`` (idempotent per user and txn_id)
+``POST rooms/{room}/kick {"user_id"}``       ``{}`` (needs the ``kick`` power level)
+``PUT rooms/{room}/send/{type}/{txn_id}``    ``{"event_id", "token"}`` (idempotent per device and request path)
 ``GET sync?since=&timeout=&limit=&device_id=``  ``{"next_batch", "events", "limited"}``
-``GET rooms/{room}/members``                 ``{"members", "token"}`` (read at or after ``token``)
+``GET rooms/{room}/members``                 ``{"members", "token"}`` (joined users; read at or after ``token``)
 ``GET rooms/{room}/state``                   ``{"state": {type: {state_key: event_id}}, "token"}`` (joined users)
 ``PUT rooms/{room}/typing {"typing": bool}``  ``{}`` (an EDU to the room's remote servers)
 ===========================================  =========================================
@@ -22,10 +23,17 @@ positioned just before the event: a sync with ``since=<token>`` and a
 ``timeout`` on any process returns the event (with ``timeout=0`` a process that
 has not received it yet answers without it, and the next sync returns it).
 Errors are ``{"errcode", "error"}`` with the right status.
+
+``createRoom`` writes ``m.room.create``, the creator's join,
+``m.room.power_levels`` (creator 100) and ``m.room.join_rules``: ``invite``
+for ``preset: private_chat`` (the default), ``public`` for ``preset:
+public_chat`` (the default when ``visibility`` is ``public``). Every event
+then passes :mod:`synflow.events.auth`; ``send`` never makes ``m.room.create``.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 from collections.abc import Awaitable, Callable
@@ -36,6 +44,7 @@ from twisted.web.server import Request
 
 from synflow.config import LimitsConfig
 from synflow.errors import HttpApiError
+from synflow.events.auth import JOIN_RULES, POWER_LEVELS, JoinRule, PowerLevels
 from synflow.events.persist import CREATE, MEMBER, EventSpec, PersistResult
 from synflow.events.sync import SyncHandler
 from synflow.http.server import JsonResource, bearer_token, int_arg, query_arg
@@ -46,6 +55,9 @@ PREFIX = "/_synflow/client/v1"
 _USERNAME = re.compile(r"[a-z0-9._=\-/]{1,64}\Z")
 _ROOM = r"(?P<room_id>![^/]{1,255})"
 _MXID = re.compile(r"@[a-z0-9._=\-/]{1,64}:[A-Za-z0-9.\-:\[\]]{1,255}\Z")
+
+#: ``createRoom`` presets and the join rule each sets.
+PRESETS = {"private_chat": JoinRule.INVITE, "public_chat": JoinRule.PUBLIC}
 
 Persist = Callable[[list[EventSpec]], Awaitable[list[PersistResult]]]
 
@@ -103,6 +115,7 @@ class ClientApi(JsonResource):
         self.route("POST", rf"/rooms/{_ROOM}/join", self.on_join)
         self.route("POST", rf"/rooms/{_ROOM}/leave", self.on_leave)
         self.route("POST", rf"/rooms/{_ROOM}/invite", self.on_invite)
+        self.route("POST", rf"/rooms/{_ROOM}/kick", self.on_kick)
         self.route("PUT", rf"/rooms/{_ROOM}/send/(?P<event_type>[^/]{{1,255}})/(?P<txn_id>[^/]{{1,255}})", self.on_send)
         self.route("GET", r"/sync", self.on_sync)
         self.route("GET", rf"/rooms/{_ROOM}/members", self.on_members)
@@ -118,6 +131,7 @@ class ClientApi(JsonResource):
         requester = await self.store.get_user_by_access_token(token)
         if requester is None:
             raise HttpApiError(401, "M_UNKNOWN_TOKEN", "unknown access token")
+        request.synflow_user = requester.user_id  # type: ignore[attr-defined]  # for the access log
         return requester
 
     def _rate_limit(self, key: str) -> None:
@@ -154,12 +168,21 @@ class ClientApi(JsonResource):
 
     async def on_create_room(self, request: Request) -> tuple[int, Any]:
         requester = await self.auth(request)
-        self.body(request)
+        body = self.body(request)
+        visibility = body.get("visibility", "private")
+        if visibility not in ("private", "public"):
+            raise HttpApiError(400, "M_INVALID_PARAM", "visibility must be private or public")
+        preset = body.get("preset", "public_chat" if visibility == "public" else "private_chat")
+        if preset not in PRESETS:
+            raise HttpApiError(400, "M_INVALID_PARAM", f"preset must be one of {sorted(PRESETS)}")
         self._rate_limit(requester.user_id)
         room_id = f"!{secrets.token_urlsafe(12)}:{self.server_name}"
+        creator = requester.user_id
         specs = [
-            self._spec(room_id, CREATE, requester.user_id, {"creator": requester.user_id}, ""),
-            self._spec(room_id, MEMBER, requester.user_id, {"membership": "join"}, requester.user_id),
+            self._spec(room_id, CREATE, creator, {"creator": creator}, ""),
+            self._spec(room_id, MEMBER, creator, {"membership": "join"}, creator),
+            self._spec(room_id, POWER_LEVELS, creator, PowerLevels.for_new_room(creator).to_content(), ""),
+            self._spec(room_id, JOIN_RULES, creator, {"join_rule": PRESETS[preset].value}, ""),
         ]
         results = await self.persist(specs)
         for result in results:
@@ -170,11 +193,12 @@ class ClientApi(JsonResource):
         requester = await self.auth(request)
         body = self.body(request)
         self._rate_limit(requester.user_id)
-        if membership == "invite":
+        if membership in ("invite", "kick"):
             target = body.get("user_id")
             if not isinstance(target, str) or not _MXID.match(target):
                 raise HttpApiError(400, "M_INVALID_PARAM", "user_id must be a user ID like @name:server")
         state_key = target or requester.user_id
+        membership = "leave" if membership == "kick" else membership
         await self._persist_one(self._spec(room_id, MEMBER, requester.user_id, {"membership": membership}, state_key))
         return 200, {}
 
@@ -187,15 +211,22 @@ class ClientApi(JsonResource):
     async def on_invite(self, request: Request, room_id: str) -> tuple[int, Any]:
         return await self._membership(request, room_id, "invite")
 
+    async def on_kick(self, request: Request, room_id: str) -> tuple[int, Any]:
+        return await self._membership(request, room_id, "kick")
+
     async def on_send(self, request: Request, room_id: str, event_type: str, txn_id: str) -> tuple[int, Any]:
+        """Send an event; a retry of the same request (device, room, type, txn_id) returns the same event."""
         requester = await self.auth(request)
+        if event_type == CREATE:
+            raise HttpApiError(403, "M_FORBIDDEN", "m.room.create is only made by creating a room (POST rooms)")
         assert request.content is not None
         request.content.seek(0, 2)
         if request.content.tell() > self.limits.max_event_bytes:
             raise HttpApiError(400, "M_TOO_LARGE", f"event content is larger than {self.limits.max_event_bytes} bytes")
         content = self.body(request)
         self._rate_limit(requester.user_id)
-        result = await self._persist_one(self._spec(room_id, event_type, requester.user_id, content, txn_id=txn_id))
+        txn_key = json.dumps([requester.device_id, room_id, event_type, txn_id], separators=(",", ":"))
+        result = await self._persist_one(self._spec(room_id, event_type, requester.user_id, content, txn_id=txn_key))
         token = await self.event_position(result)
         return 200, {"event_id": result.event_id, "token": str(token)}
 
@@ -216,14 +247,16 @@ class ClientApi(JsonResource):
         return 200, {}
 
     async def on_members(self, request: Request, room_id: str) -> tuple[int, Any]:
-        """The room's joined members, and the position (token) they were read at.
+        """The room's joined members, and the position (token) they were read at; only for joined users.
 
         The token is taken before the read, so the members reflect every
         membership change the token covers.
         """
-        await self.auth(request)
+        requester = await self.auth(request)
         token, _ = await self.sync_handler.current_token()
         members = await self.store.get_users_in_room(room_id)
+        if requester.user_id not in members:
+            raise HttpApiError(403, "M_FORBIDDEN", f"{requester.user_id} is not joined to room {room_id}")
         return 200, {"members": list(members), "token": str(token)}
 
     async def on_state(self, request: Request, room_id: str) -> tuple[int, Any]:

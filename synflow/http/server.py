@@ -31,6 +31,8 @@ from synflow.errors import HttpApiError
 from synflow.metrics import histogram
 
 logger = logging.getLogger(__name__)
+#: One line per request (``logging.levels: {synflow.access: WARNING}`` silences it).
+access_logger = logging.getLogger("synflow.access")
 
 REQUEST_SECONDS = histogram(
     "synflow_http_request_seconds", "Time to answer an HTTP request, by route", ["route", "code"],
@@ -43,10 +45,23 @@ DEFAULT_MAX_BODY = 1024 * 1024
 DEFAULT_MAX_DEPTH = 64
 
 
+#: Query parameters whose values never reach the access log.
+SECRET_QUERY_PARAMS = frozenset({b"access_token", b"token", b"password", b"secret", b"sig"})
+
+
 class LimitedRequest(Request):
-    """A request that stops buffering a body past its site's limit."""
+    """A request that stops buffering a body past its site's limit.
+
+    It also remembers when it arrived and, once a handler has authenticated
+    it, the user (``synflow_user``), for the access log.
+    """
 
     too_large = False
+    synflow_user: str | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.arrived = time.monotonic()
 
     def gotLength(self, length: int | None) -> None:
         limit = _limit(self)
@@ -99,8 +114,23 @@ class JsonSite(Site):
         protocol.makeConnection = make
         return protocol
 
-    def log(self, request: Any) -> None:  # access logs go through stdlib logging at debug
-        logger.debug("%s %s %s", request.method, request.uri, request.code)
+    def log(self, request: Any) -> None:
+        """One access log line per request at INFO: method, path (query secrets redacted), status, duration, user."""
+        duration_ms = (time.monotonic() - getattr(request, "arrived", time.monotonic())) * 1000
+        access_logger.info("%s %s %s %.1fms %s", request.method.decode("ascii", "replace"), loggable_uri(request.uri),
+                           request.code, duration_ms, getattr(request, "synflow_user", None) or "-")
+
+
+def loggable_uri(uri: bytes) -> str:
+    """``uri`` for a log line: the values of secret query parameters replaced by ``<redacted>``."""
+    path, sep, query = uri.partition(b"?")
+    if sep:
+        parts = []
+        for part in query.split(b"&"):
+            name, eq, _ = part.partition(b"=")
+            parts.append(name + b"=<redacted>" if eq and name.lower() in SECRET_QUERY_PARAMS else part)
+        path = path + b"?" + b"&".join(parts)
+    return path.decode("ascii", "backslashreplace")
 
 
 def _no_constants(name: str) -> Any:

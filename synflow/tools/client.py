@@ -62,8 +62,9 @@ class Client:
         self.user_id = result["user_id"]
         return self
 
-    async def create_room(self) -> str:
-        return (await self.request("POST", "/rooms", {}))["room_id"]
+    async def create_room(self, preset: str | None = None) -> str:
+        """Create a room (``preset``: ``private_chat``, the default, or ``public_chat``)."""
+        return (await self.request("POST", "/rooms", {} if preset is None else {"preset": preset}))["room_id"]
 
     async def join(self, room_id: str) -> None:
         await self.request("POST", f"/rooms/{quote(room_id)}/join", {})
@@ -73,6 +74,9 @@ class Client:
 
     async def invite(self, room_id: str, user_id: str) -> None:
         await self.request("POST", f"/rooms/{quote(room_id)}/invite", {"user_id": user_id})
+
+    async def kick(self, room_id: str, user_id: str) -> None:
+        await self.request("POST", f"/rooms/{quote(room_id)}/kick", {"user_id": user_id})
 
     async def send(self, room_id: str, content: dict, txn_id: str, event_type: str = "m.room.message") -> dict:
         return await self.request("PUT", f"/rooms/{quote(room_id)}/send/{quote(event_type)}/{quote(txn_id)}", content)

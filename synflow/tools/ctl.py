@@ -55,7 +55,9 @@ from synflow.config import (
     load_config,
     read_yaml,
 )
+from synflow.endpoints import tcp_address
 from synflow.errors import ConfigError
+from synflow.tools.prometheus import scrape_config
 
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
@@ -92,18 +94,13 @@ class Proc:
     def metrics_url(self) -> str | None:
         listener = self.config.listener("metrics")
         if listener is not None:
-            port = listener_port(listener.endpoint)
-            host = _interface(listener.endpoint)
-            return f"http://{host}:{port}/metrics"
+            address = tcp_address(listener.endpoint)
+            if address is None or not address[1]:
+                return None  # a unix or systemd socket: no URL to show
+            host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(address[0], address[0])
+            return f"http://{f'[{host}]' if ':' in host else host}:{address[1]}/metrics"
         own = self.config.instance_map.get(self.name)
         return f"http://{own.host}:{own.port}/metrics" if own else None
-
-
-def _interface(endpoint: str) -> str:
-    for part in endpoint.split(":"):
-        if part.startswith("interface="):
-            return part[len("interface="):]
-    return "127.0.0.1"
 
 
 #: Keys that make a YAML file in the deployment directory a process file.
@@ -425,7 +422,7 @@ def _tail(path: str, lines: int = 30) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="synflowctl", description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("command", choices=("start", "stop", "restart", "status"))
+    parser.add_argument("command", choices=("start", "stop", "restart", "status", "prometheus-config"))
     parser.add_argument("directory", nargs="?", default="workers")
     parser.add_argument("--config", action="append", default=[], help="appended to every process's config list")
     args = parser.parse_args(argv)
@@ -441,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "restart":
         stop(procs)
         return start(procs)
+    if args.command == "prometheus-config":
+        sys.stdout.write(scrape_config(procs))
+        return 0
     return status(procs)
 
 

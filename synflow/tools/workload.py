@@ -15,8 +15,9 @@ benchmarks.
 from __future__ import annotations
 
 import random
+import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -69,15 +70,20 @@ class Report:
         return d
 
 
+def quantile(values: Iterable[float], q: float) -> float:
+    """The ``q`` quantile (0 < q <= 1, in steps of 0.01) of ``values``, by :func:`statistics.quantiles`; 0.0 if empty."""
+    data = [float(v) for v in values]
+    if len(data) < 2:
+        return data[0] if data else 0.0
+    if q >= 1:
+        return max(data)
+    return statistics.quantiles(data, n=100, method="inclusive")[max(0, round(q * 100) - 1)]
+
+
 def percentiles(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"p50": 0.0, "p95": 0.0, "p99": 0.0, "max": 0.0}
-    ordered = sorted(values)
-
-    def pick(q: float) -> float:
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-    return {"p50": pick(0.50), "p95": pick(0.95), "p99": pick(0.99), "max": ordered[-1]}
+    """p50, p95, p99 and the maximum of ``values`` (all 0.0 if empty)."""
+    return {"p50": quantile(values, 0.50), "p95": quantile(values, 0.95), "p99": quantile(values, 0.99),
+            "max": max(values, default=0.0)}
 
 
 def _deferred(coro: Any) -> Any:
@@ -177,23 +183,52 @@ class Workload:
             self.sent[room_id] = []
             for member in members:
                 member.rooms.add(room_id)
-        await gatherResults([
-            sem.run(_deferred, self._join(r, m, ms[0])) for r, ms in self.rooms.items() for m in ms[1:]
-        ])
+        await gatherResults([sem.run(_deferred, self._fill_room(r, ms)) for r, ms in self.rooms.items()])
+
+    async def _fill_room(self, room_id: str, members: list[UserState]) -> None:
+        """Invite and join a room's members: the creator's server's at once, then the remote ones one at a time.
+
+        A remote member's invite is the room's latest event until it has
+        reached the remote server (the member's join there proves it), so a
+        federation queue in catch-up mode, which sends only each room's
+        latest event, still delivers it.
+        """
+        creator = members[0]
+        local = [m for m in members[1:] if m.server == creator.server]
+        await gatherResults([_deferred(self._join(room_id, m, creator)) for m in local])
+        for member in members[1:]:
+            if member.server != creator.server:
+                await self._join(room_id, member, creator)
 
     async def _join(self, room_id: str, member: UserState, creator: UserState) -> None:
-        if member.server != creator.server:
-            assert member.client.user_id is not None
-            await creator.client.at(self.url(creator.server)).invite(room_id, member.client.user_id)
+        """The creator invites the member (rooms are invite-only); the member joins through its own server.
+
+        A remote member's server learns of the room from the invite's PDU, so
+        its join answers 404 until that has arrived; the member is in the room
+        once the join's PDU has reached the room's server, which is awaited too
+        (until then the room's server refuses the member's messages).
+        """
+        user_id = member.client.user_id
+        assert user_id is not None
+        home = creator.client.at(self.url(creator.server))
+        await home.invite(room_id, user_id)
         for _ in range(300):
             try:
                 await member.client.at(self.url(member.server)).join(room_id)
-                return
+                break
             except ApiError as e:
                 if e.code != 404:  # the invite has not crossed over yet
                     raise
             await deferLater(reactor, 0.1, lambda: None)
-        raise RuntimeError(f"{member.client.user_id} could not join {room_id}: the invite never arrived")
+        else:
+            raise RuntimeError(f"{user_id} could not join {room_id}: the invite never arrived")
+        if member.server == creator.server:
+            return
+        for _ in range(300):
+            if user_id in (await home.members(room_id))["members"]:
+                return
+            await deferLater(reactor, 0.1, lambda: None)
+        raise RuntimeError(f"{user_id}'s join of {room_id} never reached the room's server")
 
     # -- traffic -------------------------------------------------------------------------
 

@@ -155,8 +155,10 @@ class Deployment:
             result.raise_error()
         return results
 
-    async def create_room(self, room_id: str, creator: str) -> None:
-        await self.persist(create(room_id, creator), member(room_id, creator, "join"))
+    async def create_room(self, room_id: str, creator: str, *, public: bool = False) -> None:
+        """Create a room; a ``public`` one (with its join rule) lets anyone join."""
+        rule = [state(room_id, creator, "m.room.join_rules", {"join_rule": "public"})] if public else []
+        await self.persist(create(room_id, creator), member(room_id, creator, "join"), *rule)
 
 
 def create(room_id: str, creator: str) -> EventSpec:

@@ -49,7 +49,7 @@ class PersistInvalidationsTest(TestCase):
 
     async def test_join_writes_exactly_one_caches_row_with_the_event(self) -> None:
         """Persisting a join records one [cs_cache_fake, [room, user], ts] caches row, announced with the event."""
-        await self.deployment.create_room(ROOM, ALICE)
+        await self.deployment.create_room(ROOM, ALICE, public=True)
         before = self._caches_position()
         self.relay.sent.clear()
         (result,) = await self.deployment.persist(member(ROOM, BOB, "join"))
@@ -66,7 +66,7 @@ class PersistInvalidationsTest(TestCase):
 
     async def test_rolled_back_persist_leaves_neither_event_nor_invalidation(self) -> None:
         """The invalidation is in the event's transaction: when it rolls back, neither is written."""
-        await self.deployment.create_room(ROOM, ALICE)
+        await self.deployment.create_room(ROOM, ALICE, public=True)
         before = self._caches_position()
 
         def failing_txn(ctx: StreamWriteContext) -> None:

@@ -133,7 +133,7 @@ class EventIdsAndChainsTest(TestCase):
         rows = yield query(self.master, "SELECT room_id, event_id, prev_event_id, depth, type, instance_name "
                                         "FROM events ORDER BY stream_ordering")
         pattern = re.compile(r"^\$[^:]+:" + re.escape(SERVER) + r"$")
-        self.assertEqual(len(rows), 3 * 2 + 12)
+        self.assertEqual(len(rows), 3 * 4 + 12)  # create, join, power levels, join rules; the messages
         ids = [r[1] for r in rows]
         self.assertEqual(len(set(ids)), len(ids))
         for row in rows:
@@ -145,7 +145,7 @@ class EventIdsAndChainsTest(TestCase):
             for before, after in zip(chain, chain[1:], strict=False):
                 self.assertEqual(after[2], before[1], f"{after[1]} does not follow {before[1]}")
                 self.assertEqual(after[3], before[3] + 1)
-            self.assertEqual([r[1] for r in chain][2:], sent[room])
+            self.assertEqual([r[1] for r in chain][4:], sent[room])
             self.assertEqual({r[5] for r in chain}, {"master"})
             head = yield query(self.master, "SELECT latest_event_id FROM rooms WHERE room_id = ?", (room,))
             self.assertEqual(head, [(chain[-1][1],)])

@@ -1,7 +1,7 @@
 """In-memory stand-ins for the federation sender's collaborators.
 
-* :class:`FakeDestinationStore` -- ``destinations`` and ``destination_rooms``
-  in dicts, with the exact semantics the SQL store must have (see
+* :class:`FakeDestinationStore` -- ``destinations``, ``destination_rooms``
+  and each event's destinations in dicts, with the exact semantics the SQL store must have (see
   :class:`~synflow.federation.interfaces.DestinationStore`);
 * :class:`FakeTransport` -- records every transaction and answers from a
   script (succeed, fail, or hold until released);
@@ -51,6 +51,9 @@ class FakeDestinationStore:
     def __init__(self) -> None:
         self.records: dict[str, DestinationRecord] = {}
         self.rooms: dict[tuple[str, str], Pdu] = {}
+        #: Every event recorded for each destination (the ``events.destinations`` lists).
+        self.events: dict[str, list[Pdu]] = defaultdict(list)
+        self.event_reads: list[tuple[str, StreamToken, StreamToken, int]] = []
         self.catch_up_reads: list[tuple[str, StreamToken, StreamToken, int]] = []
         self.positions: dict[str, list[StreamToken]] = defaultdict(list)
         self.hold_reads = False
@@ -59,8 +62,9 @@ class FakeDestinationStore:
     # -- what the lead's event follower does -----------------------------------------
 
     def record_pdu(self, pdu: Pdu, destinations: Iterable[str]) -> None:
-        """Upsert ``destination_rooms``: the latest event of the room per destination."""
+        """Upsert ``destination_rooms`` (the latest event of the room per destination); list the event."""
         for d in destinations:
+            self.events[d].append(pdu)
             old = self.rooms.get((d, pdu.room_id))
             if old is None or _key(old) < _key(pdu):
                 self.rooms[(d, pdu.room_id)] = pdu
@@ -100,14 +104,37 @@ class FakeDestinationStore:
         self.catch_up_reads.append((destination, after, upto, limit))
         if self.hold_reads:
             d: Deferred[list[Pdu]] = Deferred()
-            self.held_reads.append((d, (destination, after, upto, limit)))
+            self.held_reads.append((d, (destination, after, upto, limit, self.needed)))
             return d
         return succeed(self.needed(destination, after, upto)[:limit])
 
+    def owed_events(self, destination: str, after: StreamToken, upto: StreamToken) -> list[Pdu]:
+        """Every event of ``destination`` in ``(after, upto]``, by (stream_ordering, instance)."""
+        hits = [
+            p for p in self.events.get(destination, [])
+            if not after.covers(p.instance_id, p.stream_ordering) and upto.covers(p.instance_id, p.stream_ordering)
+        ]
+        return sorted(hits, key=_key)
+
+    def count_catch_up_events(
+        self, destination: str, after: StreamToken, upto: StreamToken, limit: int
+    ) -> Deferred[int]:
+        return succeed(min(limit, len(self.owed_events(destination, after, upto))))
+
+    def get_catch_up_events(
+        self, destination: str, after: StreamToken, upto: StreamToken, limit: int
+    ) -> Deferred[list[Pdu]]:
+        self.event_reads.append((destination, after, upto, limit))
+        if self.hold_reads:
+            d: Deferred[list[Pdu]] = Deferred()
+            self.held_reads.append((d, (destination, after, upto, limit, self.owed_events)))
+            return d
+        return succeed(self.owed_events(destination, after, upto)[:limit])
+
     def release_read(self) -> None:
         """Answer the oldest held catch-up read with what the store holds now."""
-        d, (destination, after, upto, limit) = self.held_reads.pop(0)
-        d.callback(self.needed(destination, after, upto)[:limit])
+        d, (destination, after, upto, limit, read) = self.held_reads.pop(0)
+        d.callback(read(destination, after, upto)[:limit])
 
     def outstanding_destinations(self, upto: StreamToken) -> Deferred[list[str]]:
         out = set()

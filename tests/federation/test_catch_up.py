@@ -1,4 +1,4 @@
-"""Catch-up mode: latest event per room, oldest first, vector clocks, nothing lost or doubled."""
+"""Catch-up mode: every owed event oldest first (the latest per room past the cap), vector clocks, nothing lost or doubled."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
 from synflow.federation.interfaces import DestinationRecord, Pdu
-from synflow.federation.policy import RetryState
+from synflow.federation.policy import CatchUpMode, RetryState
 from synflow.tokens import StreamToken
 from tests.federation.fakes import EitherTransport, Harness, fast_config, release_all, unreachable
 
@@ -20,14 +20,54 @@ def delivered(h: Harness, destination: str = REMOTE) -> list[str]:
 
 
 class CatchUpTests(EitherTransport):
-    """Catch-up: latest event per room, oldest first, vector clocks.
+    """Catch-up: every owed event oldest first, or the latest per room past the cap; vector clocks.
 
     Run twice: over FakeTransport, and over the real treq transport on StubTreq.
     """
 
-    def test_latest_event_per_room_oldest_rooms_first_then_exit(self):
-        """Catch-up sends the latest event of each room, 50 rooms at a time, oldest first, then leaves."""
+    def test_every_owed_event_oldest_first_in_transactions_of_50(self):
+        """Catch-up sends every event the destination owes, oldest first, 50 per transaction, then leaves."""
         h = self.harness()
+        h.store.records[REMOTE] = DestinationRecord(REMOTE, RetryState(), StreamToken.at(0))
+        owed = [h.events.persist(f"!r{i % 7}") for i in range(120)]
+        for pdu in owed:
+            h.store.record_pdu(pdu, [REMOTE])  # rows written before a restart; no notification
+        h.position = h.events.position()
+        self.successResultOf(h.sender.start())
+        self.assertEqual([len(s.event_ids) for s in h.transport.sent], [50, 50, 20])
+        self.assertEqual(h.transport.events_to(REMOTE), [p.event_id for p in owed])
+        q = h.sender.queue(REMOTE)
+        self.assertFalse(q.catching_up)
+        self.assertIsNone(q.catch_up_mode)
+        self.assertEqual(h.store.records[REMOTE].last_successful, h.position)
+
+    def test_exactly_the_cap_is_still_every_event(self):
+        """A destination owing exactly catch_up_max_events gets every one of them."""
+        h = self.harness(config=fast_config(catch_up_max_events=30))
+        h.store.records[REMOTE] = DestinationRecord(REMOTE, RetryState(), StreamToken.at(0))
+        owed = [h.events.persist(f"!r{i % 3}") for i in range(30)]
+        for pdu in owed:
+            h.store.record_pdu(pdu, [REMOTE])
+        h.position = h.events.position()
+        h.transport.default = "hold"
+        h.sender.start()
+        self.assertIs(h.sender.queue(REMOTE).catch_up_mode, CatchUpMode.EVERY_EVENT)
+        release_all(self, h)
+        self.assertEqual(delivered(h), [p.event_id for p in owed])
+
+    def test_fresh_queue_failing_twice_loses_nothing(self):
+        """A new destination's first transactions fail twice (backoff under the threshold): all 120 events arrive, in order."""
+        h = self.harness(config=fast_config(catch_up_after_s=3600))
+        h.transport.script[REMOTE] = [unreachable(), unreachable()]
+        sent = [h.send("!room", [REMOTE]) for _ in range(120)]
+        for _ in range(10):
+            h.clock.advance(60)
+        self.assertEqual(delivered(h), [p.event_id for p in sent])
+        self.assertFalse(h.sender.queue(REMOTE).catching_up)
+
+    def test_latest_event_per_room_past_the_cap_oldest_rooms_first_then_exit(self):
+        """Owing more than catch_up_max_events, catch-up sends the latest event of each room, 50 rooms at a time, oldest first."""
+        h = self.harness(config=fast_config(catch_up_max_events=119))
         h.store.records[REMOTE] = DestinationRecord(REMOTE, RetryState(), StreamToken.at(0))
         first = {f"!r{i}": h.events.persist(f"!r{i}") for i in range(60)}
         latest = {f"!r{i}": h.events.persist(f"!r{i}") for i in reversed(range(60))}
@@ -47,8 +87,30 @@ class CatchUpTests(EitherTransport):
         self.assertEqual(h.transport.sent[-1].event_ids, [new.event_id])
 
     def test_nothing_arriving_during_catch_up_is_lost_or_sent_twice(self):
-        """Events notified while catch-up runs are sent exactly once, as the latest of their room."""
+        """Events notified while catch-up runs are sent exactly once, after the older owed events."""
         h = self.harness()
+        h.store.records[REMOTE] = DestinationRecord(REMOTE, RetryState(), StreamToken.at(0))
+        owed = [h.events.persist(f"!r{i}") for i in range(70)]
+        for pdu in owed:
+            h.store.record_pdu(pdu, [REMOTE])
+        h.position = h.events.position()
+        h.transport.default = "hold"
+        h.sender.start()
+        self.assertEqual(len(h.transport.sent[0].event_ids), 50)
+        during = [h.send("!r3", [REMOTE]), h.send("!r60", [REMOTE]), h.send("!new", [REMOTE])]
+        q = h.sender.queue(REMOTE)
+        self.assertEqual(q.pending_pdus, 0)
+        release_all(self, h)
+        self.assertFalse(q.catching_up)
+        self.assertEqual(delivered(h), [p.event_id for p in [*owed, *during]])
+        h.transport.default = "ok"
+        after = h.send("!r5", [REMOTE])
+        self.assertEqual(delivered(h)[-1], after.event_id)
+        self.assertEqual(len(delivered(h)), len(set(delivered(h))))
+
+    def test_nothing_arriving_during_a_latest_per_room_catch_up_is_lost_or_sent_twice(self):
+        """Past the cap, events notified while catch-up runs are sent exactly once, as the latest of their room."""
+        h = self.harness(config=fast_config(catch_up_max_events=10))
         h.store.records[REMOTE] = DestinationRecord(REMOTE, RetryState(), StreamToken.at(0))
         for i in range(70):
             h.store.record_pdu(h.events.persist(f"!r{i}"), [REMOTE])
@@ -91,7 +153,7 @@ class CatchUpTests(EitherTransport):
         h.store.release_read()  # the read started before the PDU: empty
         self.assertEqual(delivered(h), [pdu.event_id])
         self.assertFalse(q.catching_up)
-        self.assertEqual(len(h.store.catch_up_reads), 3)
+        self.assertEqual(len(h.store.event_reads), 3)
         h.position = h.events.position()
         h.sender.notify_new_pdu(pdu, [REMOTE])  # a late duplicate notification is dropped
         self.assertEqual(delivered(h), [pdu.event_id])
@@ -139,18 +201,18 @@ class CatchUpTests(EitherTransport):
         h = self.harness()
         pdu = h.events.persist("!r")
         h.store.records[REMOTE] = DestinationRecord(REMOTE, RetryState(), StreamToken.at(5))
-        h.store.needed = lambda d, after, upto: [pdu]  # type: ignore[method-assign]
+        h.store.owed_events = lambda d, after, upto: [pdu]  # type: ignore[method-assign]
         h.sender.wake_destination(REMOTE)
         self.assertEqual(h.transport.sent, [])
         self.assertTrue(h.sender.queue(REMOTE).catching_up)
 
 
 class CatchUpTest(CatchUpTests, SynchronousTestCase):
-    """Catch-up: latest event per room, oldest first, vector clocks (FakeTransport)."""
+    """Catch-up: every owed event, or the latest per room past the cap; vector clocks (FakeTransport)."""
 
 
 class CatchUpTreqTest(CatchUpTests, SynchronousTestCase):
-    """Catch-up: latest event per room, oldest first, vector clocks (treq on StubTreq)."""
+    """Catch-up: every owed event, or the latest per room past the cap; vector clocks (treq on StubTreq)."""
 
     treq = True
 
@@ -162,11 +224,13 @@ class Follower:
         self.h = h
         self.persisted: dict[int, list[Pdu]] = {w: [] for w in h.events.writers}
         self.latest: dict[str, Pdu] = {}
+        self.all: list[Pdu] = []
 
     def persist(self, room: str, writer: int, complete: bool) -> None:
         pdu = self.h.events.persist(room, writer, complete=complete)
         self.persisted[writer].append(pdu)
         self.latest[room] = pdu
+        self.all.append(pdu)
 
     def complete_oldest(self) -> None:
         pending = [p for ps in self.persisted.values() for p in ps
@@ -196,46 +260,66 @@ steps = st.lists(
 )
 
 
+def run_ops(testcase: SynchronousTestCase, ops: list, max_events: int) -> tuple[Harness, Follower]:
+    """Drive a sender (catch-up cap ``max_events``) through ``ops``, then let everything settle."""
+    h = Harness(writers=(1, 2), config=fast_config(catch_up_after_s=15, catch_up_max_events=max_events))
+    h.sender.start()
+    f = Follower(h)
+    for op in ops:
+        if op[0] == "persist":
+            # One writer per room, as rooms are sharded over persisters.
+            f.persist(f"!r{op[1]}", op[1] % 2 + 1, op[2])
+        elif op[0] == "complete":
+            f.complete_oldest()
+        elif op[0] == "advance":
+            h.clock.advance(op[1])
+        elif op[0] == "down_for":
+            h.transport.default = unreachable()
+            f.persist("!r0", 1, True)
+            f.process()
+            h.clock.pump([5] * (op[1] // 5))
+            h.transport.default = "ok"
+        else:
+            h.transport.default = unreachable() if op[1] else "ok"
+        f.process()
+    h.transport.default = "ok"
+    for pdus in f.persisted.values():
+        for p in pdus:
+            h.events.complete(p)
+    f.process()
+    for _ in range(10):
+        h.clock.advance(60)  # the periodic wake-up and the retry timers
+    sent = delivered(h)
+    testcase.assertEqual(len(sent), len(set(sent)), f"sent twice: {sent}")
+    if f.latest:
+        q = h.sender.queue(REMOTE)
+        testcase.assertFalse(q.catching_up)
+        testcase.assertEqual(q.pending_pdus, 0)
+    return h, f
+
+
 class CatchUpPropertyTest(SynchronousTestCase):
     @settings(max_examples=60)
     @given(steps)
-    def test_every_room_ends_with_its_latest_event_sent_once(self, ops):
-        """Whatever the outages and completion order, each room's latest event arrives, nothing twice."""
-        h = Harness(writers=(1, 2), config=fast_config(catch_up_after_s=15))
-        h.sender.start()
-        f = Follower(h)
-        for op in ops:
-            if op[0] == "persist":
-                # One writer per room, as rooms are sharded over persisters.
-                f.persist(f"!r{op[1]}", op[1] % 2 + 1, op[2])
-            elif op[0] == "complete":
-                f.complete_oldest()
-            elif op[0] == "advance":
-                h.clock.advance(op[1])
-            elif op[0] == "down_for":
-                h.transport.default = unreachable()
-                f.persist("!r0", 1, True)
-                f.process()
-                h.clock.pump([5] * (op[1] // 5))
-                h.transport.default = "ok"
-            else:
-                h.transport.default = unreachable() if op[1] else "ok"
-            f.process()
-        h.transport.default = "ok"
-        for pdus in f.persisted.values():
-            for p in pdus:
-                h.events.complete(p)
-        f.process()
-        for _ in range(10):
-            h.clock.advance(60)  # the periodic wake-up and the retry timers
-        sent = delivered(h)
-        self.assertEqual(len(sent), len(set(sent)), f"sent twice: {sent}")
+    def test_every_event_arrives_once_in_room_order(self, ops):
+        """Whatever the outages and completion order, under the cap every event arrives once, each room's in order."""
+        h, f = run_ops(self, ops, max_events=10_000)
+        by_room: dict[str, list[str]] = {}
+        for t in h.sent_callbacks:
+            for p in t.pdus:
+                by_room.setdefault(p.room_id, []).append(p.event_id)
+        expected: dict[str, list[str]] = {}
+        for p in sorted(f.all, key=lambda p: p.stream_ordering):
+            expected.setdefault(p.room_id, []).append(p.event_id)
+        self.assertEqual(by_room, expected)
+
+    @settings(max_examples=60)
+    @given(steps, st.integers(0, 5))
+    def test_past_the_cap_every_room_ends_with_its_latest_event_sent_once(self, ops, max_events):
+        """With a small cap, whatever the outages and completion order, each room's latest event arrives, nothing twice."""
+        h, f = run_ops(self, ops, max_events=max_events)
         last_in_room: dict[str, str] = {}
         for t in h.sent_callbacks:
             for p in t.pdus:
                 last_in_room[p.room_id] = p.event_id
         self.assertEqual(last_in_room, {room: p.event_id for room, p in f.latest.items()})
-        if f.latest:
-            q = h.sender.queue(REMOTE)
-            self.assertFalse(q.catching_up)
-            self.assertEqual(q.pending_pdus, 0)

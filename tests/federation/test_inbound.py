@@ -104,10 +104,10 @@ GARBAGE = [
     ("origin_server_ts a bool", None, body(origin_server_ts=True), 400, "M_BAD_JSON"),
     ("PDU not an object", None, body(pdus=["$ev1"]), 400, "M_BAD_JSON"),
     ("PDU without event_id", None, body(pdus=[pdu(1, event_id=_DROP)]), 400, "M_BAD_JSON"),
-    ("PDU with non-string room_id", None, body(pdus=[pdu(1, room_id=5)]), 400, "M_BAD_JSON"),
-    ("PDU content not an object", None, body(pdus=[pdu(1, content="hi")]), 400, "M_BAD_JSON"),
-    ("PDU timestamp a string", None, body(pdus=[pdu(1, origin_server_ts="1")]), 400, "M_BAD_JSON"),
-    ("PDU state_key not a string", None, body(pdus=[pdu(1, state_key=3)]), 400, "M_BAD_JSON"),
+    ("PDU with an empty event_id", None, body(pdus=[pdu(1, event_id="")]), 400, "M_BAD_JSON"),
+    ("Infinity outside the PDUs", None, b'{"origin": "remote.test", "origin_server_ts": 5, "pdus": [], "x": 1e999}',
+     400, "M_BAD_JSON"),
+    ("out-of-range transaction timestamp", None, body(origin_server_ts=2**53), 400, "M_BAD_JSON"),
     ("EDU without edu_type", None, body(edus=[{"content": {}}]), 400, "M_BAD_JSON"),
 ]
 
@@ -191,6 +191,30 @@ class DedupeTest(SynchronousTestCase):
         code, got = self.successResultOf(r.handler.on_send(None, "t1", body(pdus=[pdu(1), pdu(2), pdu(3)])))
         self.assertEqual(code, 200)
         self.assertEqual(got["pdus"], {"$ev1": {}, "$ev2": {"error": "not allowed in this room"}, "$ev3": {}})
+
+    def test_a_pdu_that_cannot_be_persisted_now_fails_the_transaction_for_a_retry(self):
+        """A persister unreachable (502) answers the whole transaction 503, unremembered; the retry persists the rest."""
+        r = Receiver()
+        edus: list[Any] = []
+        unreachable: HttpApiError | None = HttpApiError(
+            502, "M_UNKNOWN", "failed to talk to 'persister1' (ConnectionRefusedError)")
+
+        def flaky(origin: str, p: dict[str, Any]) -> Any:
+            if p["event_id"] == "$ev2" and unreachable is not None:
+                raise unreachable
+            return r.persist(origin, p)
+
+        r.handler = InboundTransactionHandler(r.store, flaky, r.up.append, allowed_origins=[ORIGIN],
+                                              on_edu=lambda o, e: edus.append(e))
+        txn = body(pdus=[pdu(1), pdu(2), pdu(3)], edus=[{"edu_type": "m.t", "content": {}}])
+        code, got = self.successResultOf(r.handler.on_send(ORIGIN, "t1", txn))
+        self.assertEqual((code, got["errcode"]), (503, "M_UNKNOWN"))
+        self.assertEqual((r.persisted, edus, r.store.responses), ([(ORIGIN, "$ev1")], [], {}))
+        unreachable = None
+        code, got = self.successResultOf(r.handler.on_send(ORIGIN, "t1", txn))
+        self.assertEqual((code, got), (200, {"pdus": {"$ev1": {}, "$ev2": {}, "$ev3": {}}}))
+        self.assertEqual([e for _, e in r.persisted], ["$ev1", "$ev1", "$ev2", "$ev3"])
+        self.assertEqual(len(edus), 1)
 
     def test_repeated_transaction_returns_the_same_response_and_persists_once(self):
         """The same (origin, txn_id) again gets the stored response and persists nothing more."""

@@ -15,10 +15,12 @@ from synflow.federation.policy import (
     CATCH_UP_BATCH,
     MAX_EDUS_PER_TRANSACTION,
     MAX_PDUS_PER_TRANSACTION,
+    CatchUpMode,
     RetryState,
     TransactionIds,
     advance_for_sent,
     catch_up_position,
+    choose_catch_up_mode,
     clamp,
     compose_transaction,
     transaction_body,
@@ -41,7 +43,7 @@ tokens = st.builds(
 
 class ComposeTest(SynchronousTestCase):
     def test_bounds_are_the_matrix_limits(self):
-        """A transaction carries at most 50 PDUs and 100 EDUs; catch-up reads 50 rooms."""
+        """A transaction carries at most 50 PDUs and 100 EDUs; a catch-up transaction 50 entries."""
         self.assertEqual((MAX_PDUS_PER_TRANSACTION, MAX_EDUS_PER_TRANSACTION, CATCH_UP_BATCH), (50, 100, 50))
 
     def test_120_pdus_split_50_50_20(self):
@@ -161,3 +163,22 @@ class PositionTest(SynchronousTestCase):
         for p in batch:
             self.assertTrue(new.covers(p.instance_id, p.stream_ordering))
         self.assertTrue(new.is_before_or_eq(after.merge(upto)))
+
+
+class CatchUpModeTest(SynchronousTestCase):
+    @given(st.integers(0, 20_000), st.integers(0, 20_000))
+    def test_every_event_up_to_the_cap_latest_per_room_past_it(self, owed, cap):
+        """A destination owing at most the cap gets every event; one owing more, the latest of each room."""
+        mode = choose_catch_up_mode(owed, cap)
+        self.assertIs(mode, CatchUpMode.EVERY_EVENT if owed <= cap else CatchUpMode.LATEST_PER_ROOM)
+
+    def test_the_edges_of_the_default_cap(self):
+        """10,000 owed events are all sent; 10,001 switch to the latest per room."""
+        self.assertIs(choose_catch_up_mode(10_000, 10_000), CatchUpMode.EVERY_EVENT)
+        self.assertIs(choose_catch_up_mode(10_001, 10_000), CatchUpMode.LATEST_PER_ROOM)
+        self.assertIs(choose_catch_up_mode(0, 0), CatchUpMode.EVERY_EVENT)
+
+    def test_negative_counts_are_refused(self):
+        """A negative count or cap is a programming error, refused loudly."""
+        self.assertRaises(ValueError, choose_catch_up_mode, -1, 5)
+        self.assertRaises(ValueError, choose_catch_up_mode, 1, -5)

@@ -90,9 +90,9 @@ async def build_world(db: Database, n_rooms: int, messages_per_room: int = 3, se
         for i, room in enumerate(rooms):
             if writer_of[room] != writer:
                 continue
-            specs = [*create_room(room, ALICE), member(room, f"@bob:{R1}", "join")]
+            specs = [*create_room(room, ALICE), member(room, f"@bob:{R1}", "invite", sender=ALICE)]
             if i % 3 == 0:
-                specs.append(member(room, f"@carol:{R2}", "join"))
+                specs.append(member(room, f"@carol:{R2}", "invite", sender=ALICE))
             setup.extend((next(next_id), s) for s in specs)
         await persist(db, writer, setup)
     rng = random.Random(seed)
@@ -202,6 +202,49 @@ class DestinationStoreTestsMixin:
         got_r2 = [p.event_id for page in await read_all(store, R2, after, upto) for p in page]
         self.assertEqual(got_r2, [e.event_id for e in world.needed(R2, after, upto)])
         self.assertLess(len(got_r2), len(got))
+
+    async def test_catch_up_every_owed_event_oldest_first_with_a_bounded_count(self) -> None:
+        """Every local event listing the destination in (after, upto] comes back, oldest first, 50 a time; the count stops at its limit.
+
+        The position has persister2 ahead of persister1: persister1's events
+        between the two positions still come back, each exactly once, and
+        events listing only the other destination (or none) never do.
+        """
+        db = await make_database(self, self.engine)
+        world = await build_world(db, 30, messages_per_room=4)
+        store = SqlDestinationStore(db)
+        id1, id2 = world.ids[P1], world.ids[P2]
+        rows = await db.run_interaction("read", lambda txn: _select(
+            txn, "SELECT e.event_id, e.stream_ordering, im.instance_id, e.destinations FROM events e "
+            "JOIN instance_map im ON im.instance_name = e.instance_name WHERE e.instance_name <> ? "
+            "ORDER BY e.stream_ordering", ""))
+        after = StreamToken.from_positions({id1: world.top // 3, id2: world.top // 2})
+        upto = StreamToken.from_positions({id1: world.top, id2: world.top - 5})
+
+        def owed(destination: str) -> list[str]:
+            return [e for e, so, iid, dests in rows if dests and destination in json.loads(dests)
+                    and not after.covers(iid, so) and upto.covers(iid, so)]
+
+        expected = owed(R1)
+        self.assertGreater(len(expected), 60)
+        self.assertTrue(any(iid == id1 and after.get(id1) < so <= after.get(id2)
+                            for e, so, iid, _ in rows if e in expected), "the data must exercise the vector clock")
+        pages, position = [], after
+        while True:
+            batch = await store.get_catch_up_events(R1, position, upto, CATCH_UP_BATCH)
+            check_catch_up_batch(R1, position, upto, batch)
+            if not batch:
+                break
+            pages.append([p.event_id for p in batch])
+            position = catch_up_position(position, upto, batch)
+        self.assertEqual([len(p) for p in pages[:-1]], [50] * (len(pages) - 1))
+        self.assertEqual([e for page in pages for e in page], expected)
+        r2 = await store.get_catch_up_events(R2, after, upto, 1000)
+        self.assertEqual([p.event_id for p in r2], owed(R2))
+        self.assertLess(len(r2), len(expected))
+        self.assertEqual(await store.count_catch_up_events(R1, after, upto, 10_001), len(expected))
+        self.assertEqual(await store.count_catch_up_events(R1, after, upto, 11), 11)
+        self.assertEqual(await store.count_catch_up_events("nobody.test", after, upto, 11), 0)
 
     async def test_catch_up_pdus_are_the_persisted_events(self) -> None:
         """A catch-up PDU carries the persisted event: IDs, sender, content, origin, prev event and depth."""

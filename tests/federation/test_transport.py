@@ -132,7 +132,7 @@ class ClassificationTest(SynchronousTestCase):
     def test_connection_errors(self):
         """A refused connection is a retriable failure."""
         class Refusing:
-            def put(self, url: str, **kwargs: Any) -> Any:
+            def request(self, method: str, url: str, **kwargs: Any) -> Any:
                 return fail(ConnectionRefusedError())
 
         t = TreqFederationTransport(Refusing(), {}, Clock(), 5)

@@ -142,13 +142,14 @@ class WorkerTestsMixin:
         db = await self._db()
         owned, foreign = owned_and_foreign(3)
         big, small = "!big:local.test", "!small:local.test"
-        setup_a = [*create_room(big, ALICE), *(member(big, f"@u:{s}", "join") for s in owned + foreign)]
-        setup_b = [*create_room(small, ALICE), member(small, f"@u:{owned[0]}", "join"),
-                   member(small, f"@u:{foreign[0]}", "join")]
+        setup_a = [*create_room(big, ALICE), *(member(big, f"@u:{s}", "invite", sender=ALICE) for s in owned + foreign)]
+        setup_b = [*create_room(small, ALICE), member(small, f"@u:{owned[0]}", "invite", sender=ALICE),
+                   member(small, f"@u:{foreign[0]}", "invite", sender=ALICE)]
         await persist(db, P1, list(enumerate(setup_a, start=1)))
         await persist(db, P2, list(enumerate(setup_b, start=100)))
         p = SenderProcess(db, {P1: 99, P2: 199}, instances=SENDERS)
         await p.start(settle=owned)
+        p.transport.sent.clear()  # the start-up catch-up's invites: this test is about the new events
         # Stream IDs interleave the writers; persister2 completes (and is announced) first.
         await persist(db, P2, [(202, message(small, ALICE, "b1")), (204, message(small, ALICE, "b2"))])
         await persist(db, P1, [(201, message(big, ALICE, "a1")), (203, message(big, ALICE, "a2")),
@@ -174,7 +175,8 @@ class WorkerTestsMixin:
         room = "!r:local.test"
         bob, dave, carol = "@bob:r1.test", "@dave:r2.test", "@carol:r3.test"
         events = [
-            *create_room(room, ALICE), member(room, bob, "join"), member(room, dave, "join"),
+            *create_room(room, ALICE), member(room, bob, "invite", sender=ALICE),
+            member(room, dave, "invite", sender=ALICE), member(room, bob, "join"), member(room, dave, "join"),
             message(room, ALICE, "m1"),
             member(room, dave, "leave"),  # r2.test's last member leaves (its own PDU)
             message(room, ALICE, "m2"),
@@ -184,12 +186,14 @@ class WorkerTestsMixin:
             message(room, ALICE, "m4"),
         ]
         await persist(db, P1, list(enumerate(events, start=1)))
-        m1, m2, invite, m3, ban, m4 = (f"$so{i}:{SERVER}" for i in (5, 7, 8, 9, 10, 11))
+        invite_bob, invite_dave, m1, m2, invite, m3, ban, m4 = (
+            f"$so{i}:{SERVER}" for i in (3, 4, 7, 9, 10, 11, 12, 13))
         # The follower only gets there now, when r3.test is the only server left in the room.
         p = SenderProcess(db, {P1: 0}, instances=[])
         await p.start(settle=["r1.test", "r2.test", "r3.test"])
         p.position(P1, len(events))
-        expected = {"r1.test": [m1, m2, invite, m3, ban], "r2.test": [m1], "r3.test": [invite, m3, ban, m4]}
+        expected = {"r1.test": [invite_bob, invite_dave, m1, m2, invite, m3, ban], "r2.test": [invite_dave, m1],
+                    "r3.test": [invite, m3, ban, m4]}
         await until(lambda: {d: p.events_to(d) for d in expected} == expected, f"the sends {expected}",
                     show=lambda: {d: p.events_to(d) for d in expected})
         self.assertNotIn(SERVER, p.sender.queues)
@@ -199,7 +203,7 @@ class WorkerTestsMixin:
         """More events than one read holds all go out in order; a restarted follower resumes at its saved position."""
         db = await self._db()
         room = "!r:local.test"
-        await persist(db, P1, list(enumerate([*create_room(room, ALICE), member(room, "@bob:r1.test", "join")],
+        await persist(db, P1, list(enumerate([*create_room(room, ALICE), member(room, "@bob:r1.test", "invite", sender=ALICE)],
                                              start=1)))
         first = [(i, message(room, ALICE, f"m{i}")) for i in range(4, 4 + 510)]
         await persist(db, P1, first)
@@ -229,14 +233,17 @@ class WorkerTestsMixin:
         """A sender started with rows its destination never got sends them at start-up, without new events or the wake-up."""
         db = await self._db()
         room = "!r:local.test"
-        events = [*create_room(room, ALICE), member(room, "@bob:r1.test", "join"),
+        events = [*create_room(room, ALICE), member(room, "@bob:r1.test", "invite", sender=ALICE),
                   message(room, ALICE, "a"), message(room, ALICE, "b")]
         await persist(db, P1, list(enumerate(events, start=1)))
         await db.run_interaction("saved", lambda txn: txn.execute(
             "INSERT INTO federation_stream_position (type, instance_name, token) VALUES ('events', 'fs1', 's5')"))
         p = SenderProcess(db, {P1: 5}, instances=[], wakeup_interval_s=3600)
         await p.start()
-        await until(lambda: p.events_to("r1.test") == [f"$so5:{SERVER}"], "the room's latest event at start-up")
+        # Every local event r1.test was owed, oldest first: both messages after bob (of r1.test) joined.
+        owed = [f"$so{i}:{SERVER}" for i in (4, 5)]
+        await until(lambda: p.events_to("r1.test") == owed, "every owed event at start-up",
+                    show=lambda: p.events_to("r1.test"))
         self.assertEqual(p.follower.pdus_fed, 0)
         await p.stop()
 
@@ -279,7 +286,7 @@ class WorkerTestsMixin:
         room = "!r:local.test"
         owned, _ = owned_and_foreign(1)
         dest = owned[0]
-        events = [*create_room(room, ALICE), member(room, f"@u:{dest}", "join"), message(room, ALICE, "hello")]
+        events = [*create_room(room, ALICE), member(room, f"@u:{dest}", "invite", sender=ALICE), message(room, ALICE, "hello")]
         await persist(db, P1, list(enumerate(events, start=1)))
         store = SqlDestinationStore(db)
         await store.set_retry(dest, RetryState(1_000_000_000, 7_200_000, 1_000_000_000))  # two hours, from now
@@ -323,8 +330,10 @@ class WorkerTestsMixin:
 
 
 def _body(origin: str, *events: str) -> bytes:
-    pdus = [{"event_id": e, "room_id": f"!x:{origin}", "type": "m.room.message", "sender": f"@u:{origin}",
-             "content": {"body": e}, "origin_server_ts": 1} for e in events]
+    """A transaction of invites of local users into rooms of ``origin`` (what a new remote room starts with here)."""
+    pdus = [{"event_id": e, "room_id": f"!x{i}:{origin}", "type": "m.room.member", "sender": f"@u:{origin}",
+             "state_key": f"@v{i}:{SERVER}", "content": {"membership": "invite"}, "origin_server_ts": 1}
+            for i, e in enumerate(events)]
     return json.dumps({"origin": origin, "origin_server_ts": 1, "pdus": pdus}).encode()
 
 

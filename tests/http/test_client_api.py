@@ -139,12 +139,13 @@ class ClientApiTest(_ApiTestBase):
         await self.assertApiError(404, "M_UNRECOGNIZED", alice.request("GET", "/nothing/here"))
         await self.assertApiError(405, "M_UNRECOGNIZED", alice.request("GET", "/register"))
         # Still serving after all that.
+        await alice.invite(room, bob.user_id)
         await bob.join(room)
         await bob.send(room, {"body": "now allowed"}, "t5")
 
     @_as_deferred
     async def test_event_size_limits(self):
-        """Event content up to 64 KiB is accepted; from 64 KiB + 1 up to the 1 MiB request limit it gets 400, past that 413."""
+        """Content whose event fits in 65,536 bytes is accepted; 64 KiB of content (an event over 65,536 bytes) up to the 1 MiB request limit gets 400, past that 413."""
 
         def body(size: int) -> bytes:
             raw = b'{"body":"' + b"x" * (size - 11) + b'"}'
@@ -154,15 +155,15 @@ class ClientApiTest(_ApiTestBase):
         alice = await self.client().register("alice")
         room = await alice.create_room()
         path = f"/rooms/{quote(room)}/send/m.room.message"
-        sent = await alice.request("PUT", f"{path}/at-limit", raw=body(64 * 1024))
-        for i, size in enumerate((64 * 1024 + 1, 65 * 1024, 512 * 1024, 1024 * 1024)):
+        sent = await alice.request("PUT", f"{path}/fits", raw=body(64 * 1024 - 1024))
+        for i, size in enumerate((64 * 1024, 64 * 1024 + 1, 65 * 1024, 512 * 1024, 1024 * 1024)):
             error = await self.assertApiError(400, "M_TOO_LARGE", alice.request("PUT", f"{path}/big{i}", raw=body(size)))
             self.assertIn("65536", error.body["error"])
         for i, size in enumerate((1024 * 1024 + 1, 2 * 1024 * 1024)):
             await self.assertApiError(413, "M_TOO_LARGE", alice.request("PUT", f"{path}/huge{i}", raw=body(size)))
         events = (await alice.sync())["events"]
         self.assertEqual([e["event_id"] for e in events if e["type"] == "m.room.message"], [sent["event_id"]])
-        self.assertEqual(len(events[-1]["content"]["body"]), 64 * 1024 - 11)
+        self.assertEqual(len(events[-1]["content"]["body"]), 64 * 1024 - 1024 - 11)
 
     @_as_deferred
     async def test_access_tokens_stored_hashed(self):
@@ -241,6 +242,7 @@ class ClientApiTest(_ApiTestBase):
         alice = await self.client().register("alice")
         bob = await self.client().register("bob")
         room = await alice.create_room()
+        await alice.invite(room, bob.user_id)
         await bob.join(room)
         since = (await bob.sync())["next_batch"]
         await bob.leave(room)

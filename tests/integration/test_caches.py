@@ -91,7 +91,7 @@ class CacheMixin:
         a_url = f"http://127.0.0.1:{self.ports['persister1']}"
         b_url = f"http://127.0.0.1:{self.ports['master']}"
         owner = await Client(a_url, self.pool).register("owner")
-        room = await owner.create_room()
+        room = await owner.create_room(preset="public_chat")  # members leave and join again
         users = [await Client(a_url, self.pool).register(f"m{i}") for i in range(6)]
         reader = owner.at(b_url)
         rng = random.Random(5)
@@ -155,7 +155,7 @@ class PostgresRedisTierCacheTest(CacheMixin, TestCase):
         floor_key = f"{tier.keys.prefix}:!floor:cache_invalidator1"
         await _wait_for(lambda: _exists(tier, floor_key), 60, "the invalidator's floor")
         owner = await Client(f"http://127.0.0.1:{self.ports['persister1']}", self.pool).register("owner")
-        room = await owner.create_room()
+        room = await owner.create_room(preset="public_chat")
         users = [await Client(owner.base_url, self.pool).register(f"m{i}") for i in range(3)]
         for user in users:
             await user.join(room)

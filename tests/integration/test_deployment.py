@@ -50,6 +50,19 @@ class FreshInstallTest(TestCase):
         plugin_help = subprocess.run([self.bin("twistd"), "synflow", "--help"], capture_output=True, text=True,
                                      cwd=self.dir).stdout
         self.assertIn("--config", plugin_help)
+        ctl_help = subprocess.run([self.bin("synflowctl"), "--help"], capture_output=True, text=True, cwd=self.dir)
+        self.assertEqual(ctl_help.returncode, 0, ctl_help.stderr)
+        self.assertIn("prometheus-config", ctl_help.stdout)
+        # The validator ships in the distribution; --help needs no PySpark, running says how to get it.
+        validate_help = subprocess.run([self.bin("synflow-validate"), "--help"], capture_output=True, text=True,
+                                       cwd=self.dir)
+        self.assertEqual(validate_help.returncode, 0, validate_help.stderr)
+        self.assertIn("--fail-on", validate_help.stdout)
+        no_spark = subprocess.run([self.bin("synflow-validate"), "--logs", self.dir, "--out", self.dir],
+                                  capture_output=True, text=True, cwd=self.dir)
+        self.assertEqual(no_spark.returncode, 3, no_spark.stderr)
+        self.assertIn("pip install 'synflow[spark]'", no_spark.stderr)
+        self.assertEqual(len(no_spark.stderr.strip().splitlines()), 1, no_spark.stderr)
 
         ports = {p: free_port() for p in DEFAULT_PORTS}
         deployment = os.path.join(self.dir, "workers")

@@ -91,6 +91,28 @@ class SyncChain:
                 await sleep(0.5)
 
 
+async def send_per_room(client: Client, rooms: list[str], per_room: int, label: str) -> list[str]:
+    """Send ``per_room`` messages to each room, round-robin, 0.1 s apart; their event IDs in order."""
+    sent = []
+    for i in range(per_room * len(rooms)):
+        result = await client.send(rooms[i % len(rooms)], {"body": f"{label} {i}"}, f"{label}{i}")
+        sent.append(result["event_id"])
+        await sleep(0.1)
+    return sent
+
+
+def assert_same_rooms_in_order(testcase: TestCase, origin: list[tuple[str, str, str]],
+                               received: list[tuple[str, str, str]], origin_name: str) -> None:
+    """``received`` holds each of ``origin_name``'s messages in ``origin`` exactly once, each room's in order."""
+    mine = [(r, e) for r, e, o in origin if o == origin_name]
+    got = [(r, e) for r, e, o in received if o == origin_name]
+    testcase.assertEqual(len(got), len(set(got)), "a message was persisted twice")
+    testcase.assertEqual(sorted(got), sorted(mine), "the receiver lacks a message, or has one never sent")
+    for room in {r for r, _ in mine}:
+        testcase.assertEqual([e for r, e in got if r == room], [e for r, e in mine if r == room],
+                             f"{room}: the receiver's order differs from {origin_name}'s")
+
+
 class FlakyDestination(Resource):
     """A federation endpoint in front of a real one that misbehaves on a fixed schedule.
 
@@ -188,7 +210,9 @@ class Side:
         return f"http://127.0.0.1:{self.client_port}"
 
 
-class FederationMixin:
+class FederationPair:
+    """Two deployments, a.test and b.test, federating; rooms alice (on a) shares with bob (on b)."""
+
     engine = "sqlite"
     timeout = 300
     federation: dict = {"wakeup_interval_s": 1.0, "request_timeout_s": 5.0,
@@ -226,6 +250,10 @@ class FederationMixin:
                 await sleep(0.1)
         self.fail(f"invite to {room} never reached b.test")
 
+
+class FederationMixin(FederationPair):
+    """The federation tests run on each engine."""
+
     @inlineCallbacks
     def test_both_directions_exactly_once_in_order(self):
         """Every message sent on either side is persisted on the other exactly once, in each origin's order."""
@@ -253,18 +281,18 @@ class FederationMixin:
 
     @inlineCallbacks
     def test_outage_past_catch_up_threshold(self):
-        """b.test is down past the catch-up threshold; when back it gets the latest message of every room, none twice.
+        """b.test is down past the catch-up threshold while 5 messages go to each of 10 rooms; back, it gets every one once, in order.
 
-        The owning sender's catch-up metrics show it dropped its queue and
-        caught up; most non-latest messages sent during the outage are never
-        delivered (catch-up sends each room's latest event); bob's sync chain
-        on b.test sees every delivered message exactly once, and alice's on
-        a.test every message she sent; both deployments' audit logs validate
-        clean.
+        The owning sender's metrics show it dropped its queue for catch-up
+        while b.test was down; after b.test returns every message sent during
+        the outage reaches it exactly once, each room's in a.test's order;
+        bob's sync chain on b.test sees every message exactly once, each
+        room's in that order, and alice's on a.test every message she sent;
+        both deployments' audit logs validate clean.
         """
         services.require_java()
         yield self.pair()
-        alice, bob, rooms = yield ensureDeferred(self.shared_rooms(8))
+        alice, bob, rooms = yield ensureDeferred(self.shared_rooms(10))
         chain = SyncChain(bob)
         yield ensureDeferred(chain.round(0))
         # alice follows her own messages on a.test throughout, so a.test's audit log has tokens too.
@@ -280,38 +308,26 @@ class FederationMixin:
         owner = shard_for("b.test", list(SENDERS))
         a = self.a.cluster
         entered_before = metric(a, owner, "synflow_federation_catch_up_entered_total")
-        catch_up_pdus_before = metric(a, owner, "synflow_federation_pdus_sent_total", mode="catch_up")
         yield self.b.stop()
-        latest, during = {}, []
-        for i in range(80):
-            room = rooms[i % len(rooms)]
-            sent = yield ensureDeferred(alice.send(room, {"body": f"during {i}"}, f"d{i}"))
-            latest[room] = sent["event_id"]
-            during.append(sent["event_id"])
-            yield sleep(0.1)  # about 8 s of sending: the backoff passes the 1.5 s threshold
-        self.assertGreaterEqual(metric(a, owner, "synflow_federation_catch_up_entered_total") - entered_before, 1,
-                                "the owning sender never dropped its queue for catch-up")
+        during = yield ensureDeferred(send_per_room(alice, rooms, 5, "during"))
+        yield wait_until(lambda: metric(a, owner, "synflow_federation_catch_up_entered_total") > entered_before,
+                         60, "the owning sender to drop its queue for catch-up (b.test down past the threshold)")
         yield self.b.start()
 
-        def caught_up():
-            on_b = {e for _, e, _ in messages(self.b.cluster)}
-            return all(e in on_b for e in latest.values())
-
-        yield wait_until(caught_up, 120, "the latest message of every room to reach b.test")
-        on_b = [e for _, e, o in messages(self.b.cluster) if o == "a.test"]
-        self.assertEqual(len(on_b), len(set(on_b)), "a message reached b.test twice")
-        delivered_during = [e for e in on_b if e in set(during)]
-        # Catch-up sends the latest event of each room: at most one batch read while b.test was
-        # down (resent unchanged) and one read of the rooms' latest events after it came back.
-        self.assertLessEqual(len(delivered_during), 2 * len(rooms), delivered_during)
-        self.assertGreaterEqual(metric(a, owner, "synflow_federation_pdus_sent_total", mode="catch_up")
-                                - catch_up_pdus_before, len(rooms))
+        yield wait_until(lambda: {e for _, e, _ in messages(self.b.cluster)} >= set(during), 120,
+                         "every message sent during the outage to reach b.test")
+        assert_same_rooms_in_order(self, messages(a), messages(self.b.cluster), "a.test")
         yield wait_until(lambda: metric(a, owner, "synflow_federation_catching_up", destination="b.test") == 0,
                          30, "the owning sender to leave catch-up mode")
 
-        # bob, on b.test, sees every message that reached b.test exactly once, through the restart.
+        # bob, on b.test, sees every message exactly once, each room's in order, through the restart.
+        on_b = [e for _, e, o in messages(self.b.cluster) if o == "a.test"]
         yield ensureDeferred(chain.until_seen(set(on_b), tolerate_errors=5))
-        self.assertEqual(sorted(chain.events), sorted(on_b), "bob's sync chain missed or repeated a message")
+        self.assertEqual(sorted(chain.events), sorted(before + during), "bob's sync chain missed or repeated a message")
+        room_of = {e: r for r, e, _ in messages(a)}
+        for room in rooms:
+            self.assertEqual([e for e in chain.events if room_of[e] == room],
+                             [e for r, e, _ in messages(a) if r == room], f"{room}: bob saw it out of order")
         own.stop()
         yield following
         yield ensureDeferred(own.until_seen(set(before + during)))
@@ -396,8 +412,9 @@ class SqliteFederationTest(FederationMixin, TestCase):
         """b.test answers 500s, slowly and past the timeout, and a's sender is SIGKILLed mid-load.
 
         Nothing reaches b.test twice, each room's messages arrive in a's order,
-        every message sent before the kill arrives, the latest of every room
-        arrives after the restart, and a's audit logs validate clean.
+        every message sent before the kill arrives, and every one sent around
+        the kill after the restart (catch-up sends every owed event), and a's
+        audit logs validate clean.
         """
         services.require_java()
         self.federation = {**self.federation, "catch_up_after_s": 3600.0}
@@ -432,7 +449,6 @@ class SqliteFederationTest(FederationMixin, TestCase):
                          "every message sent before the kill to reach b.test through the failures")
 
         owner = shard_for("b.test", list(SENDERS))
-        latest = {}
         for i in range(60):
             if i == 20:
                 self.a.cluster.kill(owner)
@@ -440,14 +456,13 @@ class SqliteFederationTest(FederationMixin, TestCase):
                 self.a.cluster.start_twistd(owner, "federation_sender")
                 yield self.a.cluster.wait_for_port(self.a.cluster.instance_ports[owner], owner)
             sent = yield ensureDeferred(alice.send(rooms[i % 6], {"body": f"around the kill {i}"}, f"k{i}"))
-            latest[rooms[i % 6]] = sent["event_id"]
             before.append(sent["event_id"])
         chain.stop()
         yield following
         yield ensureDeferred(chain.until_seen(set(before), rounds=20))
         self.assertEqual(sorted(chain.events), sorted(before), "alice's sync chain missed or repeated a message")
-        yield wait_until(lambda: {e for _, e, _ in from_a(self.b.cluster)} >= set(latest.values()), 120,
-                         "the latest message of every room to reach b.test after the sender restarted")
+        yield wait_until(lambda: {e for _, e, _ in from_a(self.b.cluster)} >= set(before), 120,
+                         "every message, before and after the kill, to reach b.test after the sender restarted")
 
         on_a, on_b = from_a(self.a.cluster), from_a(self.b.cluster)
         ids_b = [e for _, e, _ in on_b]
@@ -455,7 +470,7 @@ class SqliteFederationTest(FederationMixin, TestCase):
         for room in rooms:
             order_a = [e for r, e, _ in on_a if r == room]
             got = [e for r, e, _ in on_b if r == room]
-            self.assertEqual(got, [e for e in order_a if e in set(got)], f"{room}: b.test's order differs from a.test's")
+            self.assertEqual(got, order_a, f"{room}: b.test's order differs from a.test's")
         self.assertGreaterEqual(set(flaky.faults), {"500, not forwarded", "slow (1 s)", "forwarded, then 500",
                                                     "past the request timeout (6 s)"}, flaky.faults)
         yield self.a.stop()

@@ -1,0 +1,139 @@
+"""A persist batch with a bad event: refused alone, the rest of the batch persisted (real SQLite and PostgreSQL)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from twisted.internet import reactor
+from twisted.trial.unittest import TestCase
+
+from synflow.events.bounds import MAX_SAFE_INTEGER
+from synflow.events.persist import EventPersister, EventSpec, PersistResult
+from synflow.storage.engines import Database
+from synflow.storage.id_generators import MultiWriterIdGenerator, StreamWriters
+from synflow.storage.instances import InstanceMap
+from synflow.streams import STREAMS
+from tests.dbutil import make_database
+
+HS = "hs.test"
+P1 = "persister1"
+ALICE = f"@alice:{HS}"
+
+
+def create(room: str) -> list[EventSpec]:
+    return [EventSpec(room, "m.room.create", ALICE, {}, "", HS, 1),
+            EventSpec(room, "m.room.member", ALICE, {"membership": "join"}, ALICE, HS, 1)]
+
+
+def message(room: str, body: Any, **overrides: Any) -> EventSpec:
+    fields: dict[str, Any] = {"room_id": room, "type": "m.room.message", "sender": ALICE, "content": {"body": body},
+                              "origin": HS, "origin_server_ts": 1}
+    fields.update(overrides)
+    return EventSpec(**fields)
+
+
+class PersistBatchMixin:
+    engine = "sqlite"
+
+    async def _persister(self) -> tuple[Database, EventPersister]:
+        db = await make_database(self, self.engine)  # type: ignore[arg-type]
+        await InstanceMap(db).ids_for([P1])
+        gens = {s: MultiWriterIdGenerator(STREAMS[s], P1, 0, reactor) for s in ("events", "caches")}
+        ids = itertools.count()
+        persister = EventPersister(StreamWriters(db, gens), server_name=HS, instance_name=P1, event_writers=[P1],
+                                   clock=reactor, new_event_id=lambda: f"$e{next(ids)}:{HS}")
+        return db, persister
+
+    async def _bodies(self, db: Database) -> list[str]:
+        def read(txn: Any) -> list[str]:
+            txn.execute("SELECT content FROM events WHERE type = 'm.room.message' ORDER BY stream_ordering")
+            return [r[0] for r in txn.fetchall()]
+
+        rows: list[str] = await db.run_interaction("read", read)
+        return rows
+
+    async def test_out_of_bounds_events_are_refused_before_the_batch(self) -> None:
+        """Events with out-of-range integers, NaN, lone surrogates or over-long IDs get their own 400; the others of the call persist."""
+        db, persister = await self._persister()
+        rooms = [f"!r{i}:{HS}" for i in range(3)]
+        await persister.persist([spec for room in rooms for spec in create(room)])
+        bad = [message(rooms[0], MAX_SAFE_INTEGER + 1), message(rooms[1], float("nan")),
+               message(rooms[2], "x", origin_server_ts=2**63), message(rooms[0], "\ud800"),
+               message(rooms[1], "x", type="t" * 256), message(rooms[2], "x", event_id="$" + "e" * 16_384)]
+        batch: list[EventSpec] = []
+        for i, spec in enumerate(bad):
+            batch += [message(rooms[i % 3], f"good{i}"), spec]
+        results: list[PersistResult] = await persister.persist(batch)
+        for i, result in enumerate(results):
+            if i % 2:
+                self.assertEqual(result.error and result.error[:2], (400, "M_BAD_JSON"), batch[i])
+            else:
+                self.assertIsNone(result.error, batch[i])
+        self.assertEqual(await self._bodies(db), [f'{{"body":"good{i}"}}' for i in range(len(bad))])
+
+    async def test_a_failing_event_does_not_roll_back_its_batch(self) -> None:
+        """When a batch's transaction fails, each event is retried alone: only the failing one is refused, in order."""
+        db, persister = await self._persister()
+        rooms = [f"!r{i}:{HS}" for i in range(4)]
+        await persister.persist([spec for room in rooms for spec in create(room)])
+        # A real database error for one event: a trigger that aborts its insert.
+        if self.engine == "sqlite":
+            ddl = ["CREATE TRIGGER poison BEFORE INSERT ON events WHEN NEW.content LIKE '%poison%' "
+                   "BEGIN SELECT RAISE(ABORT, 'poisoned event'); END"]
+        else:
+            ddl = ["CREATE FUNCTION poison() RETURNS trigger AS $$ BEGIN IF NEW.content LIKE '%poison%' THEN "
+                   "RAISE EXCEPTION 'poisoned event'; END IF; RETURN NEW; END $$ LANGUAGE plpgsql",
+                   "CREATE TRIGGER poison BEFORE INSERT ON events FOR EACH ROW EXECUTE FUNCTION poison()"]
+
+        def install(txn: Any) -> None:
+            for statement in ddl:
+                txn.execute(statement)
+
+        await db.run_interaction("poison", install)
+        batch = [message(rooms[i % 4], "poison" if i == 5 else f"m{i}") for i in range(12)]
+        results = await persister.persist(batch)
+        self.assertEqual([r.error is None for r in results], [i != 5 for i in range(12)])
+        error = results[5].error
+        assert error is not None
+        self.assertEqual(error[:2], (500, "M_UNKNOWN"))
+        self.assertEqual(await self._bodies(db), [f'{{"body":"m{i}"}}' for i in range(12) if i != 5])
+        # The persister keeps working.
+        (after,) = await persister.persist([message(rooms[0], "after")])
+        self.assertIsNone(after.error)
+
+    async def test_unparsable_stored_state_counts_as_absent(self) -> None:
+        """A join rule or power levels stored before the rules (not parsable now) is ignored, not a failure of every later batch."""
+        db, persister = await self._persister()
+        room = f"!old:{HS}"
+        await persister.persist(create(room))
+
+        def corrupt(txn: Any) -> None:
+            for n, (event_type, content) in enumerate((("m.room.join_rules", '{"join_rule":"knock"}'),
+                                                        ("m.room.power_levels", '{"kick":"high"}'))):
+                event_id = f"$legacy{n}:{HS}"
+                txn.execute("INSERT INTO events (stream_ordering, instance_name, event_id, room_id, type, state_key, "
+                            "sender, content, origin_server_ts, origin, depth, received_ts) "
+                            "VALUES (?, ?, ?, ?, ?, '', ?, ?, 1, ?, 1, 1)",
+                            (-1 - n, P1, event_id, room, event_type, ALICE, content, HS))
+                txn.execute("INSERT INTO current_state (room_id, type, state_key, event_id) VALUES (?, ?, '', ?)",
+                            (room, event_type, event_id))
+
+        await db.run_interaction("corrupt", corrupt)
+        (sent,) = await persister.persist([message(room, "still works")])
+        self.assertIsNone(sent.error)
+        (joined,) = await persister.persist([EventSpec(room, "m.room.member", f"@bob:{HS}", {"membership": "join"},
+                                                       f"@bob:{HS}", HS, 1)])
+        self.assertEqual(joined.error and joined.error[:2], (403, "M_FORBIDDEN"))  # the default rule: invite
+
+
+class SqlitePersistBatchTests(PersistBatchMixin, TestCase):
+    """On SQLite."""
+
+    engine = "sqlite"
+
+
+class PostgresPersistBatchTests(PersistBatchMixin, TestCase):
+    """On PostgreSQL."""
+
+    engine = "postgres"
