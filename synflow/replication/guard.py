@@ -37,6 +37,8 @@ from typing import Final
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 
+from synflow.replication.commands import PositionCommand, RdataCommand
+
 logger = logging.getLogger(__name__)
 
 #: A refused claim is logged at most once per stream in this many seconds (the rest are counted).
@@ -72,6 +74,21 @@ class PositionGuard:
         """``stream_id`` is known to be handed out (this process allocated or completed it)."""
         if stream_id > self._allocated.get(stream, 0):
             self._allocated[stream] = stream_id
+
+    def check_command(self, cmd: RdataCommand | PositionCommand) -> bool | Deferred[bool]:
+        """:meth:`check` the position a stream command claims for its writer.
+
+        A ``POSITION`` claims both its tokens (a reader new to the writer
+        starts from ``prev``); an ``RDATA`` its numeric token; a ``batch``
+        row claims nothing (its numeric row follows).
+        """
+        if isinstance(cmd, RdataCommand):
+            if cmd.token is None:
+                return True
+            claim = cmd.token
+        else:
+            claim = max(cmd.prev_token, cmd.new_token)
+        return self.check(cmd.stream_name, cmd.instance_name, claim, f"{cmd.NAME} {cmd.to_args()[:120]}")
 
     def check(self, stream: str, instance: str, claim: int, what: str) -> bool | Deferred[bool]:
         """Whether writer ``instance`` may be at ``claim`` on ``stream``.

@@ -354,15 +354,7 @@ class ReplicationHandler:
 
     def _check_claim(self, view: _StreamView, cmd: RdataCommand | PositionCommand) -> bool | Deferred[bool]:
         """Whether the position ``cmd`` claims for its writer is one the stream's sequence handed out."""
-        if self.guard is None:
-            return True
-        if isinstance(cmd, RdataCommand):
-            if cmd.token is None:
-                return True  # a batch row: its numeric row is checked
-            claim = cmd.token
-        else:
-            claim = max(cmd.prev_token, cmd.new_token)
-        return self.guard.check(view.stream.name, cmd.instance_name, claim, cmd.NAME + " " + cmd.to_args()[:120])
+        return True if self.guard is None else self.guard.check_command(cmd)
 
     def _process(self, view: _StreamView, conn: Connection, cmd: RdataCommand | PositionCommand) -> Deferred[None] | None:
         if isinstance(cmd, RdataCommand):
