@@ -3,8 +3,10 @@
 
 1. Copies the default deployment (``workers/``) into ``OUT/localhost/`` and a
    small peer deployment (master, one persister, one federation sender) into
-   ``OUT/peer.localhost/``, each federating with the other; starts both with
-   ``synflowctl`` (every process through twistd).
+   ``OUT/peer.localhost/``, each federating with the other (a server sends to
+   the other's ``federation`` listener: 8448, and 18448 for the peer, whose
+   ports are the defaults + 10000); starts both with ``synflowctl`` (every
+   process through twistd).
 2. Registers users on both servers, creates rooms shared across them, and
    sends messages through both client APIs while every user runs a sync
    chain (a progress bar shows the sends).
@@ -41,7 +43,13 @@ from twisted.internet import reactor  # noqa: E402
 from twisted.internet.defer import ensureDeferred  # noqa: E402
 
 from scripts.prereqs import check_java, check_ports  # noqa: E402
-from synflow.tools.deploy import DEFAULT_PORTS, free_port, make_deployment  # noqa: E402
+from synflow.tools.deploy import (  # noqa: E402
+    CLIENT_PORT,
+    DEFAULT_PORTS,
+    FEDERATION_PORT,
+    free_port,
+    make_deployment,
+)
 from synflow.tools.workload import Workload  # noqa: E402
 
 PEER = "peer.localhost"
@@ -150,6 +158,26 @@ async def traffic(args: argparse.Namespace, servers: dict[str, list[str]]) -> Wo
     return workload
 
 
+def make_deployments(home_dir: str, peer_dir: str, home_ports: dict[int, int],
+                     peer_ports: dict[int, int]) -> dict[str, list[str]]:
+    """Write the two deployments: ``workers/`` as localhost, and the small peer.
+
+    Each server sends federation traffic to the other's federation listener
+    (``FEDERATION_PORT`` through its port map); clients use the client
+    listeners.
+
+    Returns:
+        server name -> the URLs of its client API.
+    """
+    make_deployment(home_dir, "localhost", home_ports, peer=PEER,
+                    peer_url=f"http://127.0.0.1:{peer_ports[FEDERATION_PORT]}")
+    make_deployment(peer_dir, PEER, peer_ports, peer="localhost",
+                    peer_url=f"http://127.0.0.1:{home_ports[FEDERATION_PORT]}",
+                    processes=["master", "persister1", "federation_sender1"], writers=["persister1"])
+    return {"localhost": [f"http://127.0.0.1:{home_ports[CLIENT_PORT]}"],
+            PEER: [f"http://127.0.0.1:{peer_ports[CLIENT_PORT]}"]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--messages", type=int, default=3000)
@@ -175,10 +203,7 @@ def main() -> int:
     home_ports = {p: (free_port() if args.free_ports else p) for p in DEFAULT_PORTS}
     peer_ports = {p: (free_port() if args.free_ports else p + PEER_PORT_OFFSET) for p in DEFAULT_PORTS}
     home_dir, peer_dir = os.path.join(out, "localhost"), os.path.join(out, PEER)
-    make_deployment(home_dir, "localhost", home_ports, peer=PEER, peer_url=f"http://127.0.0.1:{peer_ports[8008]}")
-    make_deployment(peer_dir, PEER, peer_ports, peer="localhost", peer_url=f"http://127.0.0.1:{home_ports[8008]}",
-                    processes=["master", "persister1", "federation_sender1"], writers=["persister1"])
-    servers = {"localhost": [f"http://127.0.0.1:{home_ports[8008]}"], PEER: [f"http://127.0.0.1:{peer_ports[8008]}"]}
+    servers = make_deployments(home_dir, peer_dir, home_ports, peer_ports)
 
     started = []
     code = 1

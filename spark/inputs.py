@@ -18,7 +18,7 @@ WRITER_REQUIRED = ("stream", "writer", "stream_id", "room_id", "event_id", "rese
                    "completed_at", "outcome")
 TOKEN_REQUIRED = ("reader", "stream", "token", "issued_at", "delivered")
 INSTANCE_REQUIRED = ("instance_id", "instance_name")
-TIME_COLUMNS = {"reserved_at", "completed_at", "issued_at", "announced_at"}
+TIME_COLUMNS = {"reserved_at", "completed_at", "issued_at", "announced_at", "lost_from", "lost_until"}
 KEY_SAMPLE = 10_000
 
 _S, _L, _I = T.StringType(), T.LongType(), T.IntegerType()
@@ -26,9 +26,11 @@ _ARR = T.ArrayType(T.StringType())
 #: Column types as read; timestamps are read as text from JSONL and as timestamps from Parquet.
 TYPES: dict[str, dict[str, T.DataType]] = {
     "writer_logs": {"stream": _S, "writer": _S, "stream_id": _L, "room_id": _S, "event_id": _S,
-                    "reserved_at": _S, "completed_at": _S, "outcome": _S, "kind": _S},
+                    "reserved_at": _S, "completed_at": _S, "outcome": _S, "kind": _S,
+                    "from_stream_id": _L, "to_stream_id": _L, "lost_from": _S, "lost_until": _S},
     "token_logs": {"reader": _S, "stream": _S, "seq": _L, "token": _S, "issued_at": _S,
-                   "delivered": _ARR, "since": _S, "issued_by": _S, "rooms": _ARR},
+                   "delivered": _ARR, "since": _S, "issued_by": _S, "rooms": _ARR, "kind": _S,
+                   "readers": _ARR, "lost_from": _S, "lost_until": _S},
     "instance_map": {"instance_id": _I, "instance_name": _S},
 }
 REQUIRED = {"writer_logs": WRITER_REQUIRED, "token_logs": TOKEN_REQUIRED,
@@ -112,6 +114,9 @@ def _json_keys(spark: SparkSession, path: str, name: str, files: list[str]) -> s
     if name == "writer_logs":
         kind = F.get_json_object("value", "$.kind")
         text = text.where(kind.isNull() | (kind == "fact"))
+    elif name == "token_logs":  # gap records (spark/gaps.py) carry other columns
+        kind = F.get_json_object("value", "$.kind")
+        text = text.where(kind.isNull() | (kind != "gap"))
     keys = (text.limit(KEY_SAMPLE).select(F.explode(F.json_object_keys("value")).alias("k"))
             .distinct().collect())
     return {r.k for r in keys} | partition_cols

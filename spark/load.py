@@ -23,6 +23,7 @@ from pyspark.sql import DataFrame, Observation, SparkSession, Window
 from pyspark.sql import functions as F
 
 from .common import materialise
+from .gaps import Gaps, read_gaps
 from .inputs import CORRUPT, InputError, Table, first_line, micros, read_table
 
 
@@ -41,6 +42,7 @@ class Inputs:
         stats: input counts for the summary.
         writer_sids: ``stream, writer, min_sid``: each writer of each stream with its lowest stream
             id (a small materialised table).
+        gaps: what the logs say they could not record (:mod:`spark.gaps`).
     """
 
     facts: DataFrame
@@ -52,6 +54,7 @@ class Inputs:
     end_of_log: int
     stats: dict
     writer_sids: DataFrame
+    gaps: Gaps | None = None
 
 
 def _count(cond) -> F.Column:
@@ -163,6 +166,7 @@ def _tokens(t: Table) -> tuple[DataFrame, DataFrame, DataFrame, dict, bool]:
     df = t.df
     has_seq = "seq" in t.columns
     corrupt = F.col(CORRUPT).isNotNull() if CORRUPT in df.columns else F.lit(False)
+    df = df.where(F.col("kind").isNull() | (F.col("kind") != "gap"))  # gap records: spark/gaps.py
     base = df.select("reader", "stream", "seq", "token", micros(df, "issued_at").alias("issued"),
                      F.col("issued_at").isNotNull().alias("issued_raw"), "delivered", "since",
                      "issued_by", "rooms", corrupt.alias("corrupt"))
@@ -245,6 +249,7 @@ def load(spark: SparkSession, logs: str) -> Inputs:
             facts, fstats, writer_sids = writer_side.result()
         if token_error is not None:
             raise token_error
+        gaps = read_gaps(tables["writer_logs"], tables["token_logs"])
     except InputError:
         raise
     except Exception as e:  # unreadable files surface as Spark errors during the first pass
@@ -260,4 +265,4 @@ def load(spark: SparkSession, logs: str) -> Inputs:
                        "rows_with_rooms": tstats["with_rooms"], "rows_with_since": tstats["with_since"]},
         "instance_map": {"format": tables["instance_map"].fmt, "rows": len(instances)},
     }
-    return Inputs(facts, tokens, deliveries, rooms, instances, has_seq, end, stats, writer_sids)
+    return Inputs(facts, tokens, deliveries, rooms, instances, has_seq, end, stats, writer_sids, gaps)

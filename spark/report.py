@@ -70,6 +70,12 @@ def render_report(summary: dict[str, Any], examples: dict[str, list[dict[str, An
               f"{summary['pending'].get('above_reader_watermark', 'n/a')} (reader, fact) pairs "
               "above the reader's final position.", "",
               "| check | severity | violations | stage seconds |", "|---|---|---|---|"]
+    gaps = summary.get("gaps") or {}
+    if gaps.get("writer_logs") or gaps.get("token_logs"):
+        unverifiable = ", ".join(f"{c} {n}" for c, n in sorted(gaps.get("unverifiable", {}).items())) or "none"
+        lines[-2:-2] = [f"Gaps (the logs could not record part of the history): "
+                        f"{len(gaps.get('writer_logs', []))} in writer logs, {len(gaps.get('token_logs', []))} "
+                        f"in token logs; unverifiable, not counted as violations: {unverifiable}.", ""]
     for c in CHECKS:
         r = summary["checks"].get(c.name)
         if r is not None:

@@ -33,7 +33,7 @@ from pyspark import StorageLevel
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
-from . import checks_delivery, checks_syntax, checks_tokens, checks_writer
+from . import checks_delivery, checks_syntax, checks_tokens, checks_writer, gaps
 from .checks import BY_NAME
 from .cli import parse_args
 from .common import Context, materialise
@@ -55,19 +55,30 @@ class _Progress:
 
 
 def _stage(name: str, dfs: dict[str, DataFrame], args: argparse.Namespace, summary: dict,
-           examples: dict, progress: _Progress, writing: threading.Lock) -> None:
+           examples: dict, progress: _Progress, writing: threading.Lock,
+           summary_gaps: gaps.Gaps | None = None) -> None:
     """Compute one stage's checks in one Spark job, then summarise and write them.
 
     The checks' violations are unioned, deduplicated per key and cached; one query then
     returns the count and the first ``--top`` rows of each check, and one write appends the
     rows to ``violations/`` (holding ``writing``: two writes into one directory at once would
-    share Spark's temporary directory there).
+    share Spark's temporary directory there). Violations inside one of ``summary_gaps`` are
+    counted under ``summary["gaps"]["unverifiable"]`` instead (:mod:`spark.gaps`).
     """
     t = time.monotonic()
     progress(f"stage {name}: {', '.join(dfs)}")
     frames = list({id(df): df for df in dfs.values()}.values())  # a frame may serve several checks
-    v = (reduce(DataFrame.unionByName, frames).dropDuplicates(["check", "_key"]).drop("_key")
-         .persist(StorageLevel.MEMORY_AND_DISK))
+    v = reduce(DataFrame.unionByName, frames).dropDuplicates(["check", "_key"]).drop("_key")
+    in_gap = gaps.unverifiable(summary_gaps) if summary_gaps is not None else None
+    if in_gap is not None:
+        v = v.withColumn("_gap", in_gap)
+    persisted = v = v.persist(StorageLevel.MEMORY_AND_DISK)
+    if in_gap is not None:
+        # Violations inside a reported gap are unverifiable: counted, not reported.
+        for row in v.where("_gap").groupBy("check").count().collect():
+            summary["gaps"]["unverifiable"][row[0]] = row[1]
+            progress(f"check {row[0]}: {row[1]} unverifiable (inside an audit gap)")
+        v = v.where(~F.col("_gap")).drop("_gap")
     order = [c for c in ("stream", "reader", "seq", "writer", "stream_id", "event_id", "room_id")]
     ranked = (v.withColumn("_n", F.count(F.lit(1)).over(Window.partitionBy("check")))
               .withColumn("_r", F.row_number().over(Window.partitionBy("check").orderBy(*order)))
@@ -80,7 +91,7 @@ def _stage(name: str, dfs: dict[str, DataFrame], args: argparse.Namespace, summa
     if any(counts.values()):
         with writing:
             write_violations(v, f"{args.out.rstrip('/')}/violations", args.output_format)
-    v.unpersist()
+    persisted.unpersist()
     secs = round(time.monotonic() - t, 3)
     summary["timings"][name] = secs
     for check, n in counts.items():
@@ -183,6 +194,11 @@ def run_checks(spark: SparkSession, args: argparse.Namespace, summary: dict, exa
     progress(f"stage load: reading {args.logs}")
     inputs = load(spark, args.logs)
     summary["inputs"], summary["end_of_log_us"] = inputs.stats, inputs.end_of_log
+    if inputs.gaps is not None:
+        summary["gaps"] = {**inputs.gaps.summary(), "unverifiable": {}}
+        if inputs.gaps.writer or inputs.gaps.tokens:
+            progress(f"stage load: {len(inputs.gaps.writer)} writer-log and {len(inputs.gaps.tokens)} "
+                     "token-log gap(s): violations inside them are unverifiable")
     progress(f"stage load: {inputs.stats['writer_logs']['fact_rows']} facts, "
              f"{inputs.stats['token_logs']['rows']} tokens, "
              f"{inputs.stats['token_logs']['deliveries']} deliveries")
@@ -212,7 +228,7 @@ def run_checks(spark: SparkSession, args: argparse.Namespace, summary: dict, exa
         if pending is not None:
             row = pending.first()
             summary["pending"]["above_reader_watermark"] = row[0] if row is not None else 0
-        _stage(st.name, dfs, args, summary, examples, progress, writing)
+        _stage(st.name, dfs, args, summary, examples, progress, writing, inputs.gaps)
 
     with ThreadPoolExecutor(max(1, args.parallel_stages), thread_name_prefix="stage") as pool:
         futures = []

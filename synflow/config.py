@@ -122,6 +122,8 @@ class DatabaseSection:
     cp_min: int | None = None
     cp_max: int | None = None
     connect_timeout_s: float | None = None
+    #: SQLite only: ``full`` (default) or ``normal`` (see docs/reliability.md).
+    synchronous: Literal["full", "normal"] = "full"
     repair_positions: bool = True
 
 
@@ -168,6 +170,10 @@ class AuditConfig:
     #: None: ``<data_dir>/audit``.
     dir: str | None = None
     max_bytes: int = 64 * 1024 * 1024
+    #: Per log of a process: delete the oldest rotated files beyond this many bytes (None: keep all).
+    retain_bytes: int | None = 4 * 1024 * 1024 * 1024
+    #: Delete rotated files older than this many days (None: keep all).
+    retain_days: float | None = None
 
 
 @attrs.frozen
@@ -177,8 +183,12 @@ class LimitsConfig:
     max_request_bytes: int = 1024 * 1024
     max_event_bytes: int = 64 * 1024
     max_json_depth: int = 64
-    rate_limit_per_s: float | None = None
-    rate_limit_burst: int = 50
+    #: Sends (and other writes) per second per user; None switches the limit off.
+    rate_limit_per_s: float | None = 100.0
+    rate_limit_burst: int = 500
+    #: Syncs per second per access token (user and device); None switches the limit off.
+    sync_rate_limit_per_s: float | None = 50.0
+    sync_rate_limit_burst: int = 200
     sync_max_timeout_ms: int = 60_000
     sync_default_limit: int = 100
     sync_max_limit: int = 1000
@@ -197,7 +207,8 @@ class LoggingConfig:
     levels: dict[str, str] = attrs.Factory(dict)
 
 
-RESOURCES = ("client", "federation", "metrics")
+#: Every resource a listener may name (what each serves: synflow/listeners.py).
+RESOURCES = ("client", "federation", "metrics", "health", "replication", "rpc")
 #: The largest ``federation.catch_up_max_events`` accepted.
 MAX_CATCH_UP_MAX_EVENTS = 1_000_000
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -205,10 +216,10 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 @attrs.frozen
 class Listener:
-    """One HTTP listener of this process: an endpoint and what it serves."""
+    """One configured listener of this process: an endpoint and exactly what it serves."""
 
     endpoint: str
-    resources: list[Literal["client", "federation", "metrics"]]
+    resources: list[Literal["client", "federation", "metrics", "health", "replication", "rpc"]]
 
 
 @attrs.frozen
@@ -272,7 +283,11 @@ class SynflowConfig:
         return self.replication.secret_path or os.path.join(self.data_dir, DEFAULT_SECRET_NAME)
 
     def listener(self, kind: str) -> Listener | None:
-        """This process's listener serving ``kind``, if it has one."""
+        """This process's configured listener serving ``kind``, if any.
+
+        The internal listener and the hub are implied, not configured:
+        :func:`synflow.listeners.serving` covers them too.
+        """
         for listener in self.listeners:
             if kind in listener.resources:
                 return listener
@@ -556,12 +571,9 @@ def validate(config: SynflowConfig, origins: Mapping[str, str]) -> None:
         raise config_error(origins, "replication.ping_timeout_s", "must be longer than replication.ping_interval_s")
     if not 0 < config.replication.high_water <= config.replication.hard_limit:
         raise config_error(origins, "replication.high_water", "need 0 < high_water <= hard_limit")
-    for kind in RESOURCES:
-        if sum(1 for listener in config.listeners if kind in listener.resources) > 1:
-            raise config_error(origins, "listeners", f"more than one listener serves {kind!r}")
-    for i, listener in enumerate(config.listeners):
-        if not listener.resources:
-            raise config_error(origins, f"listeners[{i}].resources", "lists nothing to serve")
+    from synflow.listeners import check_listeners  # it reads the config types defined here
+
+    check_listeners(config, lambda key, message: config_error(origins, key, message))
     if config.log_level.upper() not in LOG_LEVELS:
         raise config_error(origins, "log_level", f"must be DEBUG, INFO, WARNING or ERROR, got {config.log_level!r}")
     for name, level in config.logging.levels.items():
@@ -575,7 +587,24 @@ def validate(config: SynflowConfig, origins: Mapping[str, str]) -> None:
         if not url.startswith(("http://", "https://")):
             raise config_error(origins, f"federation.destinations.{name}", f"must be an http:// or https:// URL, got {url!r}")
     _check_federation(config.federation, origins)
+    _check_audit_and_limits(config, origins)
     _check_drivers(config, origins)
+
+
+def _check_audit_and_limits(config: SynflowConfig, origins: Mapping[str, str]) -> None:
+    """Range checks of ``audit:`` retention and the ``limits:`` rate limits."""
+    positive: dict[str, float | None] = {
+        "audit.max_bytes": config.audit.max_bytes,
+        "audit.retain_bytes": config.audit.retain_bytes,
+        "audit.retain_days": config.audit.retain_days,
+        "limits.rate_limit_per_s": config.limits.rate_limit_per_s,
+        "limits.sync_rate_limit_per_s": config.limits.sync_rate_limit_per_s,
+        "limits.rate_limit_burst": config.limits.rate_limit_burst,
+        "limits.sync_rate_limit_burst": config.limits.sync_rate_limit_burst,
+    }
+    for key, value in positive.items():
+        if value is not None and not value > 0:
+            raise config_error(origins, key, f"must be greater than 0 (or null to switch it off), got {value!r}")
 
 
 #: The optional driver each backend needs, and the extra that installs it.
@@ -673,13 +702,12 @@ def _check_ports(config: SynflowConfig, origins: Mapping[str, str]) -> None:
             raise config_error(origins, key, f"port {port} is already used by {seen[port]}")
         seen[port] = key
 
+    from synflow.listeners import effective_listeners  # it reads the config types defined here
+
     for i, listener in enumerate(config.listeners):
         problem = endpoint_problem(listener.endpoint)
         if problem is not None:
             raise config_error(origins, f"listeners[{i}].endpoint", problem)
-        claim(listener_port(listener.endpoint), f"listeners[{i}].endpoint")
-    own = config.instance_map.get(config.instance_name)
-    if own is not None:
-        claim(own.port, f"instance_map.{config.instance_name}.port")
-    if config.app == "master" and config.replication.transport is Transport.TCP:
-        claim(config.replication.hub.port, "replication.hub.port")
+    # The configured listeners, the internal listener and the hub.
+    for served in effective_listeners(config):
+        claim(listener_port(served.endpoint), served.key)

@@ -170,6 +170,24 @@ class ConfigTest(_ConfigFiles):
         config = self.load(SHARED + "federation: {backoff: {multiplier: 1, initial_s: 5, max_s: 5, jitter: 0}}\n")
         self.assertEqual((config.federation.backoff.multiplier, config.federation.backoff.max_s), (1.0, 5.0))
 
+    def test_audit_retention_and_rate_limit_ranges(self):
+        """Retention sizes, rate limits and database.synchronous are checked, naming file and key."""
+        cases = [
+            ("audit: {retain_bytes: 0}", "audit.retain_bytes", "must be greater than 0"),
+            ("audit: {retain_days: -1}", "audit.retain_days", "must be greater than 0"),
+            ("limits: {sync_rate_limit_per_s: 0}", "limits.sync_rate_limit_per_s", "must be greater than 0"),
+            ("limits: {rate_limit_burst: 0}", "limits.rate_limit_burst", "must be greater than 0"),
+            ("database: {synchronous: 'off'}", "database.synchronous", "must be one of full, normal"),
+        ]
+        for yaml_text, key, fragment in cases:
+            self.assertConfigError("shared.yaml", key, fragment, shared=SHARED + yaml_text + "\n")
+        config = self.load(SHARED + "audit: {retain_bytes: null, retain_days: 7}\n"
+                           "limits: {rate_limit_per_s: null, sync_rate_limit_per_s: null}\n")
+        self.assertEqual((config.audit.retain_bytes, config.audit.retain_days), (None, 7.0))
+        self.assertEqual((config.limits.rate_limit_per_s, config.limits.sync_rate_limit_per_s), (None, None))
+        default = self.load(SHARED)
+        self.assertEqual((default.database.synchronous, default.limits.sync_rate_limit_per_s), ("full", 50.0))
+
     def test_federation_defaults(self):
         """Without a federation section the documented defaults apply."""
         federation = self.load().federation
@@ -213,7 +231,7 @@ class DefaultDeploymentTest(SynchronousTestCase):
     PROCESSES = ("master", "persister1", "persister2", "federation_sender1", "cache_invalidator1")
 
     def test_addresses(self):
-        """Server localhost; the master serves client and federation on 127.0.0.1:8008; the hub is 127.0.0.1:9092; everything else is on loopback."""
+        """Server localhost; the master serves the client API alone on 127.0.0.1:8008 and federation alone on 127.0.0.1:8448; the hub is 127.0.0.1:9092; everything else is on loopback."""
         for name in self.PROCESSES:
             config = _workers_config(name)
             self.assertEqual(config.server_name, "localhost")
@@ -231,8 +249,10 @@ class DefaultDeploymentTest(SynchronousTestCase):
             if name != "master":
                 self.assertIsNone(config.listener("client"), name)
         master = _workers_config("master")
-        for kind in ("client", "federation"):
-            self.assertEqual(master.listener(kind).endpoint, "tcp:8008:interface=127.0.0.1")
+        self.assertEqual(master.listener("client").endpoint, "tcp:8008:interface=127.0.0.1")
+        self.assertEqual(master.listener("client").resources, ["client"])
+        self.assertEqual(master.listener("federation").endpoint, "tcp:8448:interface=127.0.0.1")
+        self.assertEqual(master.listener("federation").resources, ["federation"])
         self.assertEqual(master.event_writers, ["persister1", "persister2"])
         self.assertEqual(master.federation_sender_instances, ["federation_sender1"])
         self.assertEqual(master.caches.cache_invalidator_instances, ["cache_invalidator1"])

@@ -1,4 +1,4 @@
-"""The main job's report: its verdict and exit status follow what was lost and what the validator found."""
+"""The main job: its report's verdict and exit status follow what was lost and what the validator found; its two deployments federate through their federation listeners."""
 
 from __future__ import annotations
 
@@ -75,6 +75,33 @@ class WriteReportTest(SynchronousTestCase):
         code, text, _ = self.write(_report(federated_delivered=119), {"localhost": (0, CLEAN)})
         self.assertEqual(code, 1)
         self.assertIn("**Verdict: FAILED**", text)
+
+
+class DeploymentsTest(SynchronousTestCase):
+    def test_peers_send_to_each_others_federation_listener(self) -> None:
+        """The demo's two servers send federation traffic to each other's federation listener (8448, and 18448 for the peer at +10000), clients use 8008 and 18008."""
+        from synflow.config import load_config
+        from synflow.listeners import serving
+        from synflow.tools.deploy import DEFAULT_PORTS
+
+        out = os.path.abspath(self.mktemp())
+        home_dir, peer_dir = os.path.join(out, "localhost"), os.path.join(out, demo.PEER)
+        home_ports = {p: p for p in DEFAULT_PORTS}
+        peer_ports = {p: p + demo.PEER_PORT_OFFSET for p in DEFAULT_PORTS}
+        servers = demo.make_deployments(home_dir, peer_dir, home_ports, peer_ports)
+        self.assertEqual(servers, {"localhost": ["http://127.0.0.1:8008"], demo.PEER: ["http://127.0.0.1:18008"]})
+
+        def master(directory: str):
+            return load_config([os.path.join(directory, "shared.yaml"), os.path.join(directory, "master.yaml")])
+
+        home, peer = master(home_dir), master(peer_dir)
+        for config, port in ((home, 8448), (peer, 18448)):
+            listener = serving(config, "federation")
+            self.assertEqual(listener.endpoint, f"tcp:{port}:interface=127.0.0.1")
+            self.assertEqual(listener.resources, ("federation",))
+        self.assertEqual(serving(home, "client").resources, ("client",))
+        self.assertEqual(home.federation.destinations, {demo.PEER: "http://127.0.0.1:18448"})
+        self.assertEqual(peer.federation.destinations, {"localhost": "http://127.0.0.1:8448"})
 
 
 class QuantileTest(SynchronousTestCase):

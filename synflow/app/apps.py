@@ -1,9 +1,12 @@
 """The process types: what each ``app`` serves on top of the common bootstrap.
 
 Every process gets the stores, internal RPC (server on its ``instance_map``
-address, client to the others), the event router and the sync handler; it
-serves ``/health`` and ``/metrics`` on its internal listener and on its
-``metrics`` listener, and the client API on its ``client`` listener.
+address, client to the others), the event router and the sync handler. Each
+listener serves exactly the resources it names (synflow/listeners.py): the
+client API on a ``client`` listener, inbound federation on a ``federation``
+one, ``/health``, ``/metrics`` and internal RPC where ``health``,
+``metrics`` and ``rpc`` are named -- by default the internal listener on the
+process's ``instance_map`` address serves those three.
 
 * ``master`` -- the client API and inbound federation for the server;
 * ``event_persister`` -- persists events for the rooms it owns
@@ -49,6 +52,7 @@ from synflow.federation.worker import EventsFollower, inbound_handler
 from synflow.http.client_api import PREFIX as CLIENT_PREFIX
 from synflow.http.client_api import ClientApi
 from synflow.http.site import HealthResource, build_site
+from synflow.listeners import effective_listeners, serving
 from synflow.replication.commands import FederationAckCommand, RemoteServerUpCommand
 from synflow.replication.rpc import PREFIX as RPC_PREFIX
 from synflow.replication.rpc import PositionSource, RpcClient, RpcServer
@@ -154,13 +158,7 @@ class SynflowProcess(ProcessService):
 
             self.rpc_server.register("queue_edus", queue_edus)
         self.sync = SyncHandler(self.store, handler, self.instances, self.reactor, self.audit)
-        health = HealthResource(self.health_problems, self.health_details)
-        max_body = config.limits.max_request_bytes
-        own = config.instance_map.get(me)
-        if own is not None:
-            self._listen("internal", own.server_endpoint(), build_site({RPC_PREFIX: self.rpc_server}, health=health,
-                                                                       max_body_bytes=max_body))
-        if config.listener("federation") is not None:
+        if serving(config, "federation") is not None:
             allowed = (config.federation.allowed_origins if config.federation.allowed_origins is not None
                        else sorted(config.federation.destinations))
             client = TreqFederationTransport.from_config(self.reactor, config.federation, server_name=config.server_name)
@@ -168,6 +166,7 @@ class SynflowProcess(ProcessService):
                 self.db, self.router, handler,
                 allowed_origins=allowed,
                 max_body_bytes=config.federation.max_body_bytes, max_json_depth=config.limits.max_json_depth,
+                clock=self.reactor,
                 missing_events=client,
             )
             self.missing_events = MissingEventsResource(
@@ -176,17 +175,21 @@ class SynflowProcess(ProcessService):
             )
         if config.app == "federation_sender":
             await self.setup_federation_sender(handler)
-        if config.listener("client") is not None:
+        if serving(config, "client") is not None:
             self.client_api = ClientApi(config.server_name, self.store, self.sync, self.router.persist,
                                         self.event_position, self.reactor, config.limits, queue_edus=self.queue_edus)
-        for listener in config.listeners:
+        health = HealthResource(self.health_problems, self.health_details, self.health_degraded)
+        for listener in effective_listeners(config):
+            if not listener.is_http:
+                continue  # the replication hub (synflow/app/replication.py)
             mounts: dict[str, Any] = {}
             for resource in listener.resources:
                 mounts.update(self.resources_for(resource))
-            site = build_site(mounts, health=health, max_body_bytes=max_body)
-            service = self._listen("+".join(listener.resources), listener.endpoint, site)
+            site = build_site(mounts, health=health if listener.serves("health") else None,
+                              metrics=listener.serves("metrics"), max_body_bytes=config.limits.max_request_bytes)
+            service = self._listen(listener.name, listener.endpoint, site)
             for resource in listener.resources:
-                self.listeners[resource] = service
+                self.listeners.setdefault(resource, service)
 
     def resources_for(self, kind: str) -> dict[str, Any]:
         """The HTTP resources a listener of ``kind`` mounts (by path prefix)."""
@@ -195,6 +198,8 @@ class SynflowProcess(ProcessService):
         if kind == "federation" and self.federation_inbound is not None:
             return {FEDERATION_SEND_PREFIX: self.federation_inbound.resource(),
                     GET_MISSING_EVENTS_PREFIX: self.missing_events}
+        if kind == "rpc":
+            return {RPC_PREFIX: self.rpc_server}
         return {}
 
     async def setup_federation_sender(self, handler: Any) -> None:
@@ -292,6 +297,11 @@ class SynflowProcess(ProcessService):
         if self.db_probe is not None and self.db_probe.problem is not None:
             problems.append(self.db_probe.problem)
         return problems
+
+    def health_degraded(self) -> list[str]:
+        """What ``/health`` reports as degraded (200, ``"status": "degraded"``): the audit log failing."""
+        problem = self.audit.problem if self.audit is not None else None
+        return [problem] if problem is not None else []
 
     def replication_address(self) -> str:
         """Where this process replicates through, for health messages."""

@@ -80,6 +80,7 @@ class ProcessService(MultiService):
         self.audit = AuditLog(
             config.audit_dir, config.instance_name, self.reactor,
             max_bytes=config.audit.max_bytes, enabled=config.audit.enabled,
+            retain_bytes=config.audit.retain_bytes, retain_days=config.audit.retain_days,
         )
         db_config = database_config(config)
         if config.app == "master" and db_config.engine == "postgres":

@@ -21,6 +21,7 @@ from twisted.internet.endpoints import clientFromString
 from synflow.app.services import ListeningService
 from synflow.audit import AuditLog
 from synflow.config import SynflowConfig, Transport
+from synflow.listeners import hub_endpoint
 from synflow.replication import metrics as replication_metrics
 from synflow.replication.client import ReplicationClientService
 from synflow.replication.guard import PositionGuard
@@ -149,7 +150,7 @@ async def setup_replication(
     elif config.app == "master":
         hub = ReplicationHub(handler)
         factory = ReplicationServerFactory(hub, config.server_name, reactor, **core_options(config))
-        listener = ListeningService(reactor, config.replication.hub.server_endpoint(), factory)
+        listener = ListeningService(reactor, hub_endpoint(config), factory)
         listener.setName("replication-hub")
         listener.setServiceParent(service)
         _HubCloser(hub).setServiceParent(service)

@@ -21,6 +21,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
 from synflow.federation.interfaces import Edu
+from synflow.federation.metrics import edu_type_label
 from synflow.federation.sender import FederationSender
 from synflow.metrics import counter, gauge
 from synflow.replication.commands import FederationAckCommand
@@ -65,7 +66,7 @@ class EduQueue:
 
     def queue(self, edus: Sequence[tuple[str, str, dict[str, Any]]]) -> Deferred[list[int]]:
         for _, edu_type, _ in edus:
-            EDUS_QUEUED.labels(edu_type=edu_type).inc()
+            EDUS_QUEUED.labels(edu_type=edu_type_label(edu_type)).inc()
         return self.writers.run_write("queue_edus", ["federation"], queue_edus_txn, self.instance_name, list(edus))
 
     def on_ack(self, conn: Any, cmd: FederationAckCommand) -> Deferred[int] | None:

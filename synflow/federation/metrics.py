@@ -32,6 +32,10 @@ Totals (counters, no destination label, so cardinality stays bounded):
 * ``synflow_federation_inbound_transactions_total{outcome}`` -- ``accepted``,
   ``duplicate``, ``rejected`` or ``retry`` (answered 503: a PDU could not be
   persisted now).
+
+EDU counters label the EDU type only from :data:`KNOWN_EDU_TYPES`; any other
+type (a remote server chooses it) is counted as ``other`` (:func:`edu_type_label`),
+so no input can grow the number of series.
 """
 
 from __future__ import annotations
@@ -85,3 +89,15 @@ TRANSACTION_SECONDS = histogram(
 INBOUND_TRANSACTIONS = counter(
     "synflow_federation_inbound_transactions_total", "Inbound /send transactions by outcome", ["outcome"]
 )
+
+
+#: The EDU types that get their own metric label; every other type is ``other``.
+KNOWN_EDU_TYPES = frozenset({
+    "m.typing", "m.receipt", "m.presence", "m.device_list_update", "m.direct_to_device",
+    "m.signing_key_update",
+})
+
+
+def edu_type_label(edu_type: object) -> str:
+    """The metric label for an EDU type: itself if known, else ``other`` (a fixed set)."""
+    return edu_type if isinstance(edu_type, str) and edu_type in KNOWN_EDU_TYPES else "other"

@@ -6,7 +6,7 @@
   array matched with ``json_each`` on SQLite and ``@>`` on PostgreSQL), or
   each room's latest from ``destination_rooms``, joined to ``instance_map``.
 * :class:`SqlDedupeStore` -- inbound transactions already answered, in
-  ``received_transactions``.
+  ``received_transactions``, deleted after :data:`RECEIVED_TRANSACTIONS_KEEP_S`.
 
 "Covered by a token" is evaluated in SQL with a ``CASE`` over the token's
 listed instance IDs, falling back to its minimum for the others.
@@ -15,14 +15,19 @@ listed instance IDs, falling back to its minimum for the others.
 from __future__ import annotations
 
 import json
+import logging
+import time
 from typing import Any
 
 from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorTime
 
 from synflow.federation.interfaces import DestinationRecord, Pdu
 from synflow.federation.policy import RetryState
 from synflow.storage.engines import Database, Txn
 from synflow.tokens import StreamToken
+
+logger = logging.getLogger(__name__)
 
 
 def _position_sql(token: StreamToken, column: str) -> tuple[str, list[Any]]:
@@ -242,11 +247,36 @@ class SqlDestinationStore:
         )
 
 
-class SqlDedupeStore:
-    """Inbound transactions already answered, by (origin, txn_id)."""
+#: Inbound transactions are remembered (for deduplication) this long after they arrived.
+RECEIVED_TRANSACTIONS_KEEP_S = 24 * 3600.0
+#: Expired inbound transactions are deleted at most this often (after a store).
+RECEIVED_TRANSACTIONS_PRUNE_INTERVAL_S = 600.0
 
-    def __init__(self, db: Database) -> None:
+
+class SqlDedupeStore:
+    """Inbound transactions already answered, by (origin, txn_id).
+
+    Rows older than :data:`RECEIVED_TRANSACTIONS_KEEP_S` are deleted (at
+    most every :data:`RECEIVED_TRANSACTIONS_PRUNE_INTERVAL_S`, after a
+    store): a remote retries a transaction for minutes, not days, so the
+    table stays bounded by the recent inbound rate.
+
+    Args:
+        db: the database.
+        clock: the time source (the wall clock when None).
+        keep_s: how long a transaction is remembered.
+    """
+
+    def __init__(self, db: Database, clock: IReactorTime | None = None,
+                 keep_s: float = RECEIVED_TRANSACTIONS_KEEP_S) -> None:
         self.db = db
+        self.clock = clock
+        self.keep_s = keep_s
+        self._last_prune: float | None = None
+        self.pruned = 0
+
+    def _now(self) -> float:
+        return self.clock.seconds() if self.clock is not None else time.time()
 
     def get_response(self, origin: str, txn_id: str) -> Deferred[tuple[int, dict[str, Any]] | None]:
         return self.db.run_interaction("get_received_txn", self._get_txn, origin, txn_id, read_only=True,
@@ -262,15 +292,35 @@ class SqlDedupeStore:
         return (int(row[0]), json.loads(row[1])) if row else None
 
     def store_response(self, origin: str, txn_id: str, code: int, body: dict[str, Any]) -> Deferred[None]:
-        return self.db.run_interaction("store_received_txn", self._store_txn, origin, txn_id, code, body,
-                                       idempotent=True)
+        now = self._now()
+        d: Deferred[None] = self.db.run_interaction("store_received_txn", self._store_txn, origin, txn_id, code,
+                                                    body, int(now * 1000), idempotent=True)
+        if self._last_prune is None or now - self._last_prune >= RECEIVED_TRANSACTIONS_PRUNE_INTERVAL_S:
+            self._last_prune = now
+            d.addCallback(lambda _: self.prune(now - self.keep_s).addErrback(
+                lambda f: logger.warning("pruning received_transactions failed: %s", f.getErrorMessage())))
+            d.addCallback(lambda _: None)
+        return d
+
+    def prune(self, before_s: float) -> Deferred[int]:
+        """Delete transactions received before ``before_s`` (epoch seconds); returns how many."""
+        def counted(n: int) -> int:
+            self.pruned += n
+            return n
+
+        d: Deferred[int] = self.db.run_interaction("prune_received_txns", self._prune_txn, int(before_s * 1000),
+                                                   idempotent=True)
+        return d.addCallback(counted)
 
     @staticmethod
-    def _store_txn(txn: Txn, origin: str, txn_id: str, code: int, body: dict[str, Any]) -> None:
-        import time
+    def _prune_txn(txn: Txn, before_ms: int) -> int:
+        txn.execute("DELETE FROM received_transactions WHERE received_ts < ?", (before_ms,))
+        return max(0, txn.rowcount)
 
+    @staticmethod
+    def _store_txn(txn: Txn, origin: str, txn_id: str, code: int, body: dict[str, Any], now_ms: int) -> None:
         txn.execute(
             "INSERT INTO received_transactions (origin, txn_id, response_code, response_json, received_ts) "
             "VALUES (?, ?, ?, ?, ?) ON CONFLICT (origin, txn_id) DO NOTHING",
-            (origin, txn_id, code, json.dumps(body), int(time.time() * 1000)),
+            (origin, txn_id, code, json.dumps(body), now_ms),
         )

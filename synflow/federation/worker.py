@@ -27,6 +27,7 @@ from synflow.events.router import EventRouter
 from synflow.federation.gaps import GapFiller, SqlGapStore
 from synflow.federation.inbound import InboundTransactionHandler
 from synflow.federation.interfaces import MissingEventsTransport
+from synflow.federation.metrics import edu_type_label
 from synflow.federation.pdus import pdu_to_spec
 from synflow.federation.policy import RetryState
 from synflow.federation.sender import FederationSender
@@ -146,8 +147,9 @@ async def _noop() -> None:
 
 def inbound_handler(db: Any, router: EventRouter, handler: ReplicationHandler, *, allowed_origins: list[str] | None,
                     max_body_bytes: int, max_json_depth: int,
-                    missing_events: MissingEventsTransport | None = None) -> InboundTransactionHandler:
-    """The master's inbound transaction handler.
+                    missing_events: MissingEventsTransport | None = None,
+                    clock: IReactorTime | None = None) -> InboundTransactionHandler:
+    """The master's inbound transaction handler (``clock`` ages its deduplication rows).
 
     With ``missing_events`` (the federation client), a PDU whose
     ``prev_events`` are unknown here has the missing events pulled from its
@@ -169,12 +171,12 @@ def inbound_handler(db: Any, router: EventRouter, handler: ReplicationHandler, *
         return Deferred.fromCoroutine(persist_pdu(origin, pdu))
 
     def received_edu(origin: str, edu: dict[str, Any]) -> None:
-        EDUS_RECEIVED.labels(edu_type=str(edu.get("edu_type", "?"))[:64]).inc()
+        EDUS_RECEIVED.labels(edu_type=edu_type_label(edu.get("edu_type"))).inc()
 
     if missing_events is not None:
         persist = GapFiller(SqlGapStore(db), missing_events, persist).persist_pdu
 
     return InboundTransactionHandler(
-        SqlDedupeStore(db), persist, remote_server_up, on_edu=received_edu, allowed_origins=allowed_origins,
+        SqlDedupeStore(db, clock), persist, remote_server_up, on_edu=received_edu, allowed_origins=allowed_origins,
         max_body_bytes=max_body_bytes, max_json_depth=max_json_depth,
     )

@@ -22,7 +22,10 @@ reached over internal RPC). ``token`` in a send's response is a sync token
 positioned just before the event: a sync with ``since=<token>`` and a
 ``timeout`` on any process returns the event (with ``timeout=0`` a process that
 has not received it yet answers without it, and the next sync returns it).
-Errors are ``{"errcode", "error"}`` with the right status.
+Errors are ``{"errcode", "error"}`` with the right status. Writes are limited
+per user (``limits.rate_limit_per_s``) and syncs per access token
+(``limits.sync_rate_limit_per_s``); past a limit the answer is 429
+``M_LIMIT_EXCEEDED`` with ``retry_after_ms`` and a ``Retry-After`` header.
 
 ``createRoom`` writes ``m.room.create``, the creator's join,
 ``m.room.power_levels`` (creator 100) and ``m.room.join_rules``: ``invite``
@@ -34,6 +37,7 @@ then passes :mod:`synflow.events.auth`; ``send`` never makes ``m.room.create``.
 from __future__ import annotations
 
 import json
+import math
 import re
 import secrets
 from collections.abc import Awaitable, Callable
@@ -47,6 +51,7 @@ from synflow.errors import HttpApiError
 from synflow.events.auth import JOIN_RULES, POWER_LEVELS, JoinRule, PowerLevels
 from synflow.events.persist import CREATE, MEMBER, EventSpec, PersistResult
 from synflow.events.sync import SyncHandler
+from synflow.http.ratelimit import TokenBucket
 from synflow.http.server import JsonResource, bearer_token, int_arg, query_arg
 from synflow.storage.stores import DataStore, Requester
 from synflow.tokens import StreamToken
@@ -60,26 +65,6 @@ _MXID = re.compile(r"@[a-z0-9._=\-/]{1,64}:[A-Za-z0-9.\-:\[\]]{1,255}\Z")
 PRESETS = {"private_chat": JoinRule.INVITE, "public_chat": JoinRule.PUBLIC}
 
 Persist = Callable[[list[EventSpec]], Awaitable[list[PersistResult]]]
-
-
-class TokenBucket:
-    """A per-key token bucket; ``allow`` says whether one more action fits."""
-
-    def __init__(self, rate_per_s: float, burst: int, clock: IReactorTime) -> None:
-        self.rate = rate_per_s
-        self.burst = burst
-        self.clock = clock
-        self._state: dict[str, tuple[float, float]] = {}
-
-    def allow(self, key: str) -> bool:
-        now = self.clock.seconds()
-        tokens, last = self._state.get(key, (float(self.burst), now))
-        tokens = min(float(self.burst), tokens + (now - last) * self.rate)
-        if tokens < 1:
-            self._state[key] = (tokens, now)
-            return False
-        self._state[key] = (tokens - 1, now)
-        return True
 
 
 class ClientApi(JsonResource):
@@ -110,6 +95,8 @@ class ClientApi(JsonResource):
         self.queue_edus = queue_edus
         self.rate = (TokenBucket(limits.rate_limit_per_s, limits.rate_limit_burst, clock)
                      if limits.rate_limit_per_s else None)
+        self.sync_rate = (TokenBucket(limits.sync_rate_limit_per_s, limits.sync_rate_limit_burst, clock)
+                          if limits.sync_rate_limit_per_s else None)
         self.route("POST", r"/register", self.on_register)
         self.route("POST", r"/rooms", self.on_create_room)
         self.route("POST", rf"/rooms/{_ROOM}/join", self.on_join)
@@ -134,9 +121,18 @@ class ClientApi(JsonResource):
         request.synflow_user = requester.user_id  # type: ignore[attr-defined]  # for the access log
         return requester
 
-    def _rate_limit(self, key: str) -> None:
-        if self.rate is not None and not self.rate.allow(key):
-            raise HttpApiError(429, "M_LIMIT_EXCEEDED", "too many requests; slow down")
+    def _rate_limit(self, key: str, request: Request | None = None, bucket: TokenBucket | None = None) -> None:
+        """Refuse with 429 (``retry_after_ms``, ``Retry-After``) when ``key`` is over its limit."""
+        bucket = bucket if bucket is not None else self.rate
+        if bucket is None:
+            return
+        wait_s = bucket.take(key)
+        if wait_s > 0:
+            retry_ms = max(1, math.ceil(wait_s * 1000))
+            if request is not None:
+                request.setHeader(b"Retry-After", str(max(1, math.ceil(wait_s))).encode())
+            raise HttpApiError(429, "M_LIMIT_EXCEEDED", f"too many requests; retry in {retry_ms} ms",
+                               retry_after_ms=retry_ms)
 
     def _now_ms(self) -> int:
         return int(self.clock.seconds() * 1000)
@@ -224,7 +220,7 @@ class ClientApi(JsonResource):
         if request.content.tell() > self.limits.max_event_bytes:
             raise HttpApiError(400, "M_TOO_LARGE", f"event content is larger than {self.limits.max_event_bytes} bytes")
         content = self.body(request)
-        self._rate_limit(requester.user_id)
+        self._rate_limit(requester.user_id, request)
         txn_key = json.dumps([requester.device_id, room_id, event_type, txn_id], separators=(",", ":"))
         result = await self._persist_one(self._spec(room_id, event_type, requester.user_id, content, txn_id=txn_key))
         token = await self.event_position(result)
@@ -281,6 +277,8 @@ class ClientApi(JsonResource):
         if device is not None and not re.fullmatch(r"[A-Za-z0-9._\-]{1,64}", device):
             raise HttpApiError(400, "M_INVALID_PARAM", "device_id must be 1-64 of A-Z a-z 0-9 . _ -")
         reader = f"{requester.user_id}/{device}" if device else requester.user_id
+        # Per access token (a user's device): every sync chain of a client has its own bucket.
+        self._rate_limit(f"sync:{requester.user_id}/{requester.device_id}", request, self.sync_rate)
         result = await self.sync_handler.sync(requester.user_id, reader, since, timeout, limit)
         return 200, {
             "next_batch": result.next_batch,

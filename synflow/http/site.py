@@ -1,9 +1,12 @@
-"""Listener sites: a root that dispatches by path prefix, plus /health and /metrics.
+"""Listener sites: a root that dispatches by path prefix, plus /health and /metrics where asked.
 
-Every synflow process serves ``/health`` (200 when started and connected to
-replication and the database, 503 with the reasons otherwise) and Prometheus
-``/metrics`` on its internal listener and on its ``metrics`` listener; the
-client API and inbound federation are mounted on their listeners.
+A site serves exactly what is mounted on it; any other path is 404
+``M_UNRECOGNIZED``. ``/health`` (200 when started and connected to
+replication and the database -- ``"status": "degraded"`` with the reasons when
+something non-fatal is wrong, such as an audit log that cannot write -- 503
+with the reasons otherwise) and Prometheus
+``/metrics`` are mounted only on the listeners that name the ``health`` and
+``metrics`` resources (synflow/listeners.py).
 
 A mounted resource may declare its own body limit as ``max_body_bytes``
 (inbound federation ``/send`` does): the site then buffers bodies up to the
@@ -72,18 +75,27 @@ class _NotFound(Resource):
 
 
 class HealthResource(Resource):
-    """``/health``: 200 ``{"status": "ok"}`` or 503 with the problems."""
+    """``/health``: 200 ``{"status": "ok"}``, 200 ``"degraded"`` with warnings, or 503 with the problems.
+
+    ``degraded`` lists what is wrong but does not stop the process serving
+    correctly (the audit log cannot write, say): the status is ``degraded``,
+    the answer stays 200 and the reasons are under ``"degraded"``.
+    """
 
     isLeaf = True
 
-    def __init__(self, check: Callable[[], list[str]], details: Callable[[], dict[str, Any]] | None = None) -> None:
+    def __init__(self, check: Callable[[], list[str]], details: Callable[[], dict[str, Any]] | None = None,
+                 degraded: Callable[[], list[str]] | None = None) -> None:
         super().__init__()
         self.check = check
         self.details = details
+        self.degraded = degraded
 
     def render_GET(self, request: Request) -> bytes:
         problems = self.check()
-        body: dict[str, Any] = {"status": "ok" if not problems else "unhealthy", "problems": problems}
+        warnings = self.degraded() if self.degraded is not None else []
+        status = "unhealthy" if problems else "degraded" if warnings else "ok"
+        body: dict[str, Any] = {"status": status, "problems": problems, "degraded": warnings}
         if self.details is not None:
             body.update(self.details())
         request.setResponseCode(200 if not problems else 503)
@@ -130,8 +142,9 @@ class _PerResourceLimitSite(JsonSite):
         self.buffer_max_body_bytes = buffer_max_body_bytes
 
 
-def build_site(mounts: dict[str, Resource], *, health: HealthResource, max_body_bytes: int) -> JsonSite:
-    """A site serving ``mounts`` plus /health and /metrics.
+def build_site(mounts: dict[str, Resource], *, max_body_bytes: int, health: HealthResource | None = None,
+               metrics: bool = False) -> JsonSite:
+    """A site serving ``mounts``, plus ``/health`` if ``health`` is given and ``/metrics`` if ``metrics``.
 
     ``max_body_bytes`` bounds request bodies, except for a mounted resource
     declaring its own ``max_body_bytes``, whose limit applies to its requests.
@@ -139,10 +152,12 @@ def build_site(mounts: dict[str, Resource], *, health: HealthResource, max_body_
     root = PrefixRoot()
     for prefix, resource in mounts.items():
         root.mount(prefix, resource)
-    root.mount("/health", health)
-    metrics = MetricsResource(registry=REGISTRY)
-    metrics.isLeaf = True
-    root.mount("/metrics", metrics)
+    if health is not None:
+        root.mount("/health", health)
+    if metrics:
+        prometheus = MetricsResource(registry=REGISTRY)
+        prometheus.isLeaf = True
+        root.mount("/metrics", prometheus)
     own = [o for o in (getattr(r, "max_body_bytes", None) for r in mounts.values()) if o is not None]
     if not own:
         return JsonSite(root, max_body_bytes=max_body_bytes)

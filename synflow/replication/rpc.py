@@ -120,7 +120,8 @@ class RpcServer(JsonResource):
         if self.secret is not None:
             token = bearer_token(request)
             if token is None or not hmac.compare_digest(token.encode(), self.secret.encode()):
-                RPC_SERVED.labels(name=name, outcome="unauthorized").inc()
+                # The name comes from the request: only registered names become labels.
+                RPC_SERVED.labels(name=name if name in self.methods else "other", outcome="unauthorized").inc()
                 _close_after_response(request)
                 raise HttpApiError(401, "M_UNAUTHORIZED", "internal RPC requires the replication secret")
         method = self.methods.get(name)

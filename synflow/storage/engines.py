@@ -42,6 +42,8 @@ SQLITE_BUSY_TIMEOUT_S = 30.0
 MAX_RETRIES = 5
 #: Delay before the first retry; each further retry doubles it (0.05, 0.1, 0.2, ...).
 RETRY_BACKOFF_S = 0.05
+#: The values of ``database.synchronous`` (SQLite's ``PRAGMA synchronous``); the first is the default.
+SQLITE_SYNCHRONOUS = ("full", "normal")
 #: Rows per statement for :meth:`Txn.insert_many` on PostgreSQL.
 INSERT_PAGE_SIZE = 1000
 
@@ -76,6 +78,10 @@ class DatabaseConfig:
         cp_min: connections the pool keeps open.
         cp_max: most connections (and pool threads); 1 for SQLite, 5 for PostgreSQL.
         connect_timeout_s: how long to wait for a PostgreSQL connection.
+        synchronous: SQLite's ``PRAGMA synchronous``: ``full`` (default: a
+            commit is on disk before it is acknowledged) or ``normal`` (with
+            WAL, the last commits before a power loss or OS crash can be lost;
+            a process crash loses nothing). Ignored by PostgreSQL.
 
     Raises:
         StorageError: when the values are inconsistent (see :meth:`from_dict`
@@ -92,6 +98,7 @@ class DatabaseConfig:
     cp_min: int = 1
     cp_max: int = attrs.field(default=attrs.Factory(_default_cp_max, takes_self=True))
     connect_timeout_s: float = 10.0
+    synchronous: str = "full"
 
     def __attrs_post_init__(self) -> None:
         problem = _config_problem(attrs.asdict(self))
@@ -159,6 +166,10 @@ def _config_problem(v: Mapping[str, Any]) -> tuple[str, str] | None:
         return "port", f"must be a TCP port number, got {v['port']}"
     if v["connect_timeout_s"] <= 0:
         return "connect_timeout_s", f"must be positive, got {v['connect_timeout_s']}"
+    if v["synchronous"] not in SQLITE_SYNCHRONOUS:
+        return "synchronous", (f"must be one of {', '.join(SQLITE_SYNCHRONOUS)}, got {v['synchronous']!r} "
+                               "(full: every acknowledged commit survives a power loss; normal: the last "
+                               "ones may not)")
     if v["engine"] == "sqlite" and v["path"] in _MEMORY_PATHS and v["cp_max"] > 1:
         return "path", (
             f"an in-memory SQLite database ({v['path']!r}) gives each of the "
@@ -171,7 +182,7 @@ def _config_problem(v: Mapping[str, Any]) -> tuple[str, str] | None:
 _CONFIG_TYPES: Mapping[str, tuple[type, ...]] = {
     "engine": (str,), "path": (str,), "host": (str,), "port": (int,), "user": (str,),
     "password": (str,), "dbname": (str,), "cp_min": (int,), "cp_max": (int,),
-    "connect_timeout_s": (int, float),
+    "connect_timeout_s": (int, float), "synchronous": (str,),
 }
 
 
@@ -288,7 +299,7 @@ class Engine(abc.ABC):
     def connect_args(self, config: DatabaseConfig) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Positional and keyword arguments for the DB-API ``connect()``."""
 
-    def on_connect(self, conn: Any) -> None:  # noqa: B027 - optional hook
+    def on_connect(self, conn: Any, config: DatabaseConfig | None = None) -> None:  # noqa: B027 - optional hook
         """Prepare a new connection (adbapi's ``cp_openfun``)."""
 
     def begin_txn(self, cursor: Any, read_only: bool = False) -> None:  # noqa: B027 - optional hook
@@ -349,7 +360,8 @@ class SqliteEngine(Engine):
             "timeout": SQLITE_BUSY_TIMEOUT_S,
         }
 
-    def on_connect(self, conn: Any) -> None:
+    def on_connect(self, conn: Any, config: DatabaseConfig | None = None) -> None:
+        synchronous = config.synchronous if config is not None else SQLITE_SYNCHRONOUS[0]
         cur = conn.cursor()
         cur.execute(f"PRAGMA busy_timeout = {int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
         cur.execute("PRAGMA journal_mode = WAL")
@@ -359,7 +371,10 @@ class SqliteEngine(Engine):
                 f"SQLite refused WAL mode (got {mode!r}); put the database on a local "
                 "filesystem, where several processes can share it"
             )
-        cur.execute("PRAGMA synchronous = NORMAL")
+        # FULL: WAL is synced at every commit, so an acknowledged commit (and
+        # with it the stream sequence) survives a power loss; NORMAL syncs
+        # only at checkpoints.
+        cur.execute(f"PRAGMA synchronous = {synchronous.upper()}")
         cur.execute("PRAGMA foreign_keys = ON")
         cur.close()
 
@@ -598,7 +613,7 @@ class Database:
         self._pool = adbapi.ConnectionPool(
             self.engine.dbapi_name, *args, cp_reactor=reactor, cp_min=config.cp_min,
             cp_max=config.cp_max, cp_reconnect=self.engine.reconnect,
-            cp_openfun=self.engine.on_connect, cp_noisy=False, **kwargs,
+            cp_openfun=functools.partial(self.engine.on_connect, config=config), cp_noisy=False, **kwargs,
         )
         self._stats: dict[str, list[float]] = {}
         self._in_flight = 0

@@ -297,25 +297,42 @@ class MultiWriterIdGenerator:
         return new
 
     def finish(self, handle: int, ids: Sequence[int], payloads: dict[int, FactPayload], ok: bool) -> None:
-        """The transaction that reserved ``ids`` committed (``ok``) or rolled back."""
+        """The transaction that reserved ``ids`` committed (``ok``) or rolled back.
+
+        The IDs complete in the tracker, and listeners hear of what became
+        visible, whatever happens to the audit records: the audit log never
+        raises (it reports its own failures), and should anything in it
+        break, the completion has already happened.
+        """
         completed_at = now_us(self.clock)
         visible = self.tracker.end_fetch(handle, list(ids))
         for stream_id in ids:
-            payload = payloads.get(stream_id)
-            if self.audit is not None and payload is not None:
-                self.audit.fact(
-                    self.stream.name, stream_id, room_id=payload.room_id, event_id=payload.event_id,
-                    reserved_at=payload.reserved_at, completed_at=completed_at, ok=ok,
-                )
-            visible += self.tracker.complete(stream_id, ok, payload if ok else None)
-        if self.audit is not None and ids:
-            self.audit.flush_facts()  # one write per batch keeps the crash window small
+            visible += self.tracker.complete(stream_id, ok, payloads.get(stream_id) if ok else None)
         if ok:
             self.facts_completed += len(ids)
         else:
             self.facts_aborted += len(ids)
+        if self.audit is not None and ids:
+            try:
+                self._audit_facts(ids, payloads, completed_at, ok)
+            except Exception:
+                logger.exception("recording stream %s facts %d..%d in the audit log failed",
+                                 self.stream.name, min(ids), max(ids))
         if visible:
             self._notify(visible, self.tracker.position)
+
+    def _audit_facts(self, ids: Sequence[int], payloads: dict[int, FactPayload], completed_at: int,
+                     ok: bool) -> None:
+        assert self.audit is not None
+        for stream_id in ids:
+            payload = payloads.get(stream_id)
+            if payload is not None:
+                self.audit.fact(
+                    self.stream.name, stream_id, room_id=payload.room_id, event_id=payload.event_id,
+                    reserved_at=payload.reserved_at, completed_at=completed_at, ok=ok,
+                )
+        # One write per batch, before anything announces these facts: keeps the crash window small.
+        self.audit.flush_facts()
 
     def abandon(self, handle: int, ids: Sequence[int]) -> None:
         """The transaction that reserved ``ids`` rolled back its allocation too (SQLite).
@@ -455,5 +472,13 @@ class StreamWriters:
     @staticmethod
     def _finish(gens: dict[str, MultiWriterIdGenerator], handles: dict[str, int],
                 ctx: StreamWriteContext, ok: bool) -> None:
+        # Every generator ends its fetch even if another one fails: an open
+        # fetch would hold that stream's position back until a restart.
+        first_error: Exception | None = None
         for stream, gen in gens.items():
-            gen.finish(handles[stream], ctx.allocated.get(stream, []), ctx.payloads.get(stream, {}), ok)
+            try:
+                gen.finish(handles[stream], ctx.allocated.get(stream, []), ctx.payloads.get(stream, {}), ok)
+            except Exception as e:
+                first_error = first_error or e
+        if first_error is not None:
+            raise first_error

@@ -50,13 +50,13 @@ from synflow.config import (
     APP_TYPES,
     NOT_KEYS,
     SynflowConfig,
-    Transport,
     listener_port,
     load_config,
     read_yaml,
 )
 from synflow.endpoints import tcp_address
 from synflow.errors import ConfigError
+from synflow.listeners import INTERNAL, effective_listeners
 from synflow.tools.prometheus import scrape_config
 
 START_TIMEOUT_S = 60.0
@@ -87,20 +87,29 @@ class Proc:
 
     @property
     def health_url(self) -> str | None:
-        own = self.config.instance_map.get(self.name)
-        return f"http://{own.host}:{own.port}/health" if own else None
+        """Where the process answers ``/health``: its internal listener if that serves it, else another."""
+        return self._url("health")
 
     @property
     def metrics_url(self) -> str | None:
-        listener = self.config.listener("metrics")
-        if listener is not None:
-            address = tcp_address(listener.endpoint)
-            if address is None or not address[1]:
-                return None  # a unix or systemd socket: no URL to show
-            host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(address[0], address[0])
-            return f"http://{f'[{host}]' if ':' in host else host}:{address[1]}/metrics"
-        own = self.config.instance_map.get(self.name)
-        return f"http://{own.host}:{own.port}/metrics" if own else None
+        """Where the process answers ``/metrics``: a configured ``metrics`` listener, else its internal listener."""
+        return self._url("metrics")
+
+    def _url(self, resource: str) -> str | None:
+        listeners = effective_listeners(self.config)
+        if resource == "health":  # the internal listener first: its address is what instance_map says
+            listeners.sort(key=lambda listener: listener.name != INTERNAL)
+        listener = next((listener for listener in listeners if listener.serves(resource)), None)
+        if listener is None:
+            return None
+        if listener.name == INTERNAL:
+            own = self.config.instance_map[self.name]
+            return f"http://{own.host}:{own.port}/{resource}"
+        address = tcp_address(listener.endpoint)
+        if address is None or not address[1]:
+            return None  # a unix or systemd socket: no URL to show
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(address[0], address[0])
+        return f"http://{f'[{host}]' if ':' in host else host}:{address[1]}/{resource}"
 
 
 #: Keys that make a YAML file in the deployment directory a process file.
@@ -150,14 +159,7 @@ def discover(directory: str, extra: list[str]) -> list[Proc]:
 
 def _ports(proc: Proc) -> list[tuple[int, str]]:
     """Every TCP port ``proc`` listens on, with the dotted key that sets it."""
-    config = proc.config
-    ports = [(listener_port(listener.endpoint), f"listeners[{i}].endpoint")
-             for i, listener in enumerate(config.listeners)]
-    own = config.instance_map.get(proc.name)
-    if own is not None:
-        ports.append((own.port, f"instance_map.{proc.name}.port"))
-    if config.app == "master" and config.replication.transport is Transport.TCP:
-        ports.append((config.replication.hub.port, "replication.hub.port"))
+    ports = [(listener_port(listener.endpoint), listener.key) for listener in effective_listeners(proc.config)]
     return [(port, key) for port, key in ports if port]
 
 

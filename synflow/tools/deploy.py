@@ -17,7 +17,11 @@ import yaml
 WORKERS = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "workers"))
 
 #: Every port the default deployment in workers/ uses.
-DEFAULT_PORTS = [8008, 9092, 9093, 9094, 9095, 9096, 9097, 9101, 9102, 9103, 9104, 9105]
+DEFAULT_PORTS = [8008, 8448, 9092, 9093, 9094, 9095, 9096, 9097, 9101, 9102, 9103, 9104, 9105]
+#: The master's client API listener in workers/.
+CLIENT_PORT = 8008
+#: The master's federation listener in workers/ (where a peer server sends).
+FEDERATION_PORT = 8448
 
 
 def free_port() -> int:

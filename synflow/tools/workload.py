@@ -300,9 +300,12 @@ class Workload:
     async def sync_once(self, user: UserState, timeout_ms: int = 0) -> int:
         try:
             result = await user.client.at(self.sync_url(user)).sync(since=user.since, timeout_ms=timeout_ms)
-        except Exception:
+        except Exception as e:
             user.errors += 1
-            await deferLater(reactor, 0.2, lambda: None)
+            # A 429 says how long to wait; anything else waits a little before retrying.
+            retry_ms = e.body.get("retry_after_ms") if isinstance(e, ApiError) and isinstance(e.body, dict) else None
+            delay = retry_ms / 1000 if isinstance(retry_ms, int | float) and 0 < retry_ms <= 60_000 else 0.2
+            await deferLater(reactor, delay, lambda: None)
             return 0
         now = time.monotonic()
         user.syncs += 1

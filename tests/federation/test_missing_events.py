@@ -24,6 +24,7 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.server import Site
 
 from synflow.errors import HttpApiError
+from synflow.events.persist import EventSpec
 from synflow.federation.gaps import GapFiller, check_reply
 from synflow.federation.interfaces import TransactionFailed
 from synflow.federation.missing_events import (
@@ -99,14 +100,19 @@ class ParseTest(SynchronousTestCase):
 
 
 async def origin_room(db: Any) -> dict[str, list[int]]:
-    """The origin's room: r1.test joins after the creation, r2.test later; returns stream IDs by phase."""
-    specs = [*create_room(ROOM, ALICE), member(ROOM, f"@bob:{R1}", "join")]  # 1-3
-    specs += [message(ROOM, ALICE, f"m{i}") for i in range(8)]  # 4-11
-    specs += [member(ROOM, f"@carol:{R2}", "join")]  # 12
-    specs += [message(ROOM, ALICE, f"n{i}") for i in range(4)]  # 13-16
+    """The origin's public room: r1.test joins after the creation, r2.test later; returns stream IDs by phase."""
+    specs = [*create_room(ROOM, ALICE), public(ROOM, ALICE), member(ROOM, f"@bob:{R1}", "join")]  # 1-4
+    specs += [message(ROOM, ALICE, f"m{i}") for i in range(8)]  # 5-12
+    specs += [member(ROOM, f"@carol:{R2}", "join")]  # 13
+    specs += [message(ROOM, ALICE, f"n{i}") for i in range(4)]  # 14-17
     await InstanceMap(db).ids_for(["persister1"])
     await persist(db, "persister1", list(enumerate(specs, start=1)))
-    return {"before_r1": [1, 2], "messages": list(range(4, 12)), "after_r2": list(range(13, 17))}
+    return {"before_r1": [1, 2, 3], "messages": list(range(5, 13)), "after_r2": list(range(14, 18))}
+
+
+def public(room: str, sender: str) -> EventSpec:
+    """The creator opens the room: remote users may join without an invite."""
+    return EventSpec(room, "m.room.join_rules", sender, {"join_rule": "public"}, state_key="", origin=SERVER)
 
 
 class Served:
@@ -146,24 +152,25 @@ class WalkTestsMixin:
         db = await make_database(self, self.engine)
         await origin_room(db)
         served = Served(self, db)
-        got = await served.ask(R1, earliest_events=[eid(5)], latest_events=[eid(11)], limit=50)
-        self.assertEqual(got, [eid(i) for i in range(6, 11)])
-        # No earliest event: back to r1.test's arrival, never before it (create and alice's join were not its).
-        got = await served.ask(R1, latest_events=[eid(16)], limit=50)
-        self.assertEqual(got, [eid(i) for i in (*range(4, 12), 13, 14, 15)])
-        # r2.test joined at 12 (its own event, which the walk passes through): it gets only what came after.
-        got = await served.ask(R2, latest_events=[eid(16)], limit=50)
-        self.assertEqual(got, [eid(i) for i in (13, 14, 15)])
+        got = await served.ask(R1, earliest_events=[eid(6)], latest_events=[eid(12)], limit=50)
+        self.assertEqual(got, [eid(i) for i in range(7, 12)])
+        # No earliest event: back to r1.test's arrival, never before it (create, alice's join and the
+        # join rule were not its).
+        got = await served.ask(R1, latest_events=[eid(17)], limit=50)
+        self.assertEqual(got, [eid(i) for i in (*range(5, 13), 14, 15, 16)])
+        # r2.test joined at 13 (its own event, which the walk passes through): it gets only what came after.
+        got = await served.ask(R2, latest_events=[eid(17)], limit=50)
+        self.assertEqual(got, [eid(i) for i in (14, 15, 16)])
 
     async def test_limit_keeps_the_events_nearest_the_latest_and_min_depth_stops_the_walk(self) -> None:
         """A limit returns the events just before the latest; min_depth leaves out anything lower."""
         db = await make_database(self, self.engine)
         await origin_room(db)
         served = Served(self, db)
-        self.assertEqual(await served.ask(R1, latest_events=[eid(11)], limit=3), [eid(8), eid(9), eid(10)])
-        self.assertEqual(await served.ask(R1, latest_events=[eid(11)], limit=50, min_depth=9),
-                         [eid(9), eid(10)])
-        self.assertEqual(await served.ask(R1, latest_events=[eid(11)], limit=0), [])
+        self.assertEqual(await served.ask(R1, latest_events=[eid(12)], limit=3), [eid(9), eid(10), eid(11)])
+        self.assertEqual(await served.ask(R1, latest_events=[eid(12)], limit=50, min_depth=10),
+                         [eid(10), eid(11)])
+        self.assertEqual(await served.ask(R1, latest_events=[eid(12)], limit=0), [])
         self.assertEqual(await served.ask(R1, latest_events=["$unknown:x"], limit=50), [])
 
     async def test_a_server_with_no_member_in_the_room_is_refused(self) -> None:
@@ -172,7 +179,7 @@ class WalkTestsMixin:
         await origin_room(db)
         served = Served(self, db, allowed=None)
         with self.assertRaises(TransactionFailed) as cm:
-            await served.ask("stranger.test", latest_events=[eid(11)])
+            await served.ask("stranger.test", latest_events=[eid(12)])
         self.assertIn("403", cm.exception.reason)
         self.assertIn("M_FORBIDDEN", cm.exception.reason)
 
@@ -181,7 +188,7 @@ class WalkTestsMixin:
         db = await make_database(self, self.engine)
         await origin_room(db)
         served = Served(self, db)
-        ok = request(latest_events=[eid(11)], limit=2)
+        ok = request(latest_events=[eid(12)], limit=2)
         as_r1 = {b"Authorization": [b"X-Matrix origin=r1.test,destination=local.test"]}
         cases = [
             (ok, {}, 401, "M_UNAUTHORIZED"),
@@ -194,24 +201,24 @@ class WalkTestsMixin:
             self.assertEqual((await served.raw(body, headers))[1]["errcode"], errcode)
         self.assertEqual((await served.raw(ok, as_r1, room="x" * 300))[1]["errcode"], "M_BAD_JSON")
         code, reply = await served.raw(ok, as_r1)
-        self.assertEqual((code, [e["event_id"] for e in reply["events"]]), (200, [eid(9), eid(10)]))
+        self.assertEqual((code, [e["event_id"] for e in reply["events"]]), (200, [eid(10), eid(11)]))
 
     async def test_gap_filler_pulls_pages_and_persists_oldest_first_before_the_pdu(self) -> None:
         """A PDU whose predecessor is unknown has the gap pulled in pages and persisted in room order, then itself."""
         db = await make_database(self, self.engine)
         await origin_room(db)
         served = Served(self, db)
-        receiver = Receiver(known={eid(5)})
+        receiver = Receiver(known={eid(6)})
         filler = GapFiller(receiver, served.transport(R1), receiver.persist, page_limit=2)
-        pdu = await origin_pdu(db, 11)
+        pdu = await origin_pdu(db, 12)
         await filler.persist_pdu(SERVER, pdu)
-        self.assertEqual(receiver.persisted, [eid(i) for i in range(6, 12)])
-        self.assertEqual(receiver.earliest, [[eid(5)]])
+        self.assertEqual(receiver.persisted, [eid(i) for i in range(7, 13)])
+        self.assertEqual(receiver.earliest, [[eid(6)]])
         # A bound smaller than the gap: the nearest events are pulled, the PDU persisted anyway.
         receiver = Receiver(known=set())
         filler = GapFiller(receiver, served.transport(R1), receiver.persist, max_per_gap=3, page_limit=2)
         await filler.persist_pdu(SERVER, pdu)
-        self.assertEqual(receiver.persisted, [eid(8), eid(9), eid(10), eid(11)])
+        self.assertEqual(receiver.persisted, [eid(9), eid(10), eid(11), eid(12)])
 
 
 async def origin_pdu(db: Any, stream_id: int) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from typing import Any
 
 import attrs
 from twisted.internet import reactor
+from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
 
 from synflow.federation.edus import EduQueue
@@ -29,7 +30,12 @@ from synflow.federation.policy import (
     catch_up_position,
     check_catch_up_batch,
 )
-from synflow.federation.storage import SqlDedupeStore, SqlDestinationStore
+from synflow.federation.storage import (
+    RECEIVED_TRANSACTIONS_KEEP_S,
+    RECEIVED_TRANSACTIONS_PRUNE_INTERVAL_S,
+    SqlDedupeStore,
+    SqlDestinationStore,
+)
 from synflow.replication.commands import FederationAckCommand
 from synflow.storage.engines import Database, Txn
 from synflow.storage.id_generators import StreamWriters
@@ -320,6 +326,45 @@ class DestinationStoreTestsMixin:
         await dedupe.store_response(R1, "t1", 500, {"other": True})  # never replaces the first answer
         self.assertEqual(await dedupe.get_response(R1, "t1"), first)
         self.assertIsNone(await dedupe.get_response(R2, "t2"))
+
+    async def test_received_transactions_pruned_by_age(self) -> None:
+        """Inbound transactions older than RECEIVED_TRANSACTIONS_KEEP_S are deleted by a later store."""
+        db = await make_database(self, self.engine)
+        clock = Clock()
+        clock.advance(1_700_000_000)
+        dedupe = SqlDedupeStore(db, clock)
+        await dedupe.store_response(R1, "old", 200, {"pdus": {}})
+        clock.advance(RECEIVED_TRANSACTIONS_KEEP_S / 2)
+        await dedupe.store_response(R1, "recent", 200, {"pdus": {}})  # within the prune interval: no prune
+        self.assertIsNotNone(await dedupe.get_response(R1, "old"))
+        clock.advance(RECEIVED_TRANSACTIONS_KEEP_S / 2 + RECEIVED_TRANSACTIONS_PRUNE_INTERVAL_S)
+        await dedupe.store_response(R2, "new", 200, {"pdus": {}})
+        self.assertIsNone(await dedupe.get_response(R1, "old"))
+        self.assertIsNotNone(await dedupe.get_response(R1, "recent"))
+        self.assertIsNotNone(await dedupe.get_response(R2, "new"))
+        self.assertEqual(dedupe.pruned, 1)
+
+    async def test_unknown_edu_types_are_counted_as_other(self) -> None:
+        """A remote's made-up EDU type never becomes a metric label: it is counted as ``other``."""
+        from prometheus_client import REGISTRY
+
+        from synflow.federation.worker import inbound_handler
+
+        db = await make_database(self, self.engine)
+        handler = inbound_handler(db, None, None, allowed_origins=[R1], max_body_bytes=65536,  # type: ignore[arg-type]
+                                  max_json_depth=16)
+
+        def count(label: str) -> float:
+            return REGISTRY.get_sample_value("synflow_federation_edus_received_total", {"edu_type": label}) or 0.0
+
+        other, typing = count("other"), count("m.typing")
+        made_up = f"x.attacker.{random.random()}"
+        body = json.dumps({"origin": R1, "origin_server_ts": 1, "pdus": [], "edus": [
+            {"edu_type": made_up, "content": {}}, {"edu_type": "m.typing", "content": {}}]}).encode()
+        code, _ = await handler.on_send(R1, "edus1", body)
+        self.assertEqual(code, 200)
+        self.assertEqual((count("other") - other, count("m.typing") - typing), (1, 1))
+        self.assertIsNone(REGISTRY.get_sample_value("synflow_federation_edus_received_total", {"edu_type": made_up}))
 
     async def test_outbox_trimmed_to_the_lowest_ack_of_all_senders(self) -> None:
         """FEDERATION_ACK trims federation_outbox only up to the lowest position every configured sender acked."""

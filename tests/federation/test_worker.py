@@ -211,7 +211,9 @@ class WorkerTestsMixin:
         await p.start(settle=["r1.test"])
         p.position(P1, 513)
         ids = [f"$so{i}:{SERVER}" for i, _ in first]
-        await until(lambda: p.events_to("r1.test") == ids, "510 events in order")
+        # The start-up catch-up sends bob's invite (owed, below the follower's start), then the follower the rest.
+        await until(lambda: p.events_to("r1.test") == [f"$so3:{SERVER}", *ids], "the invite and 510 events in order",
+                    show=lambda: p.events_to("r1.test")[:5])
         self.assertEqual(p.follower.pdus_fed, 510)
         await p.stop()  # saves how far the follower got
 
@@ -240,8 +242,8 @@ class WorkerTestsMixin:
             "INSERT INTO federation_stream_position (type, instance_name, token) VALUES ('events', 'fs1', 's5')"))
         p = SenderProcess(db, {P1: 5}, instances=[], wakeup_interval_s=3600)
         await p.start()
-        # Every local event r1.test was owed, oldest first: both messages after bob (of r1.test) joined.
-        owed = [f"$so{i}:{SERVER}" for i in (4, 5)]
+        # Every local event r1.test was owed, oldest first: bob's invite and both messages after it.
+        owed = [f"$so{i}:{SERVER}" for i in (3, 4, 5)]
         await until(lambda: p.events_to("r1.test") == owed, "every owed event at start-up",
                     show=lambda: p.events_to("r1.test"))
         self.assertEqual(p.follower.pdus_fed, 0)
@@ -281,7 +283,7 @@ class WorkerTestsMixin:
         self.assertEqual(len(sent.sent), 2)
 
     async def test_remote_server_up_wakes_the_owning_sender_at_once(self) -> None:
-        """A backed-off destination is sent its outstanding event as soon as it sends us a transaction, without waiting for the wake-up."""
+        """A backed-off destination is sent its outstanding events as soon as it sends us a transaction, without waiting for the wake-up."""
         db = await self._db()
         room = "!r:local.test"
         owned, _ = owned_and_foreign(1)
@@ -302,7 +304,8 @@ class WorkerTestsMixin:
         code, _ = await self._inbound(db, master).on_send(None, "t1", _body(dest))
         self.assertEqual(code, 200)
         self.assertEqual(relay.lines, [f"REMOTE_SERVER_UP {dest}"])
-        await until(lambda: p.events_to(dest) == [f"$so4:{SERVER}"], "the outstanding event to go out")
+        await until(lambda: p.events_to(dest) == [f"$so3:{SERVER}", f"$so4:{SERVER}"],
+                    "the outstanding invite and message to go out", show=lambda: p.events_to(dest))
         self.assertFalse(p.sender.queues[dest].backing_off)
         await p.stop()
 

@@ -99,6 +99,23 @@ class ServedOverTcpTest(TestCase):
         self.assertEqual(self.method.calls, [{"x": 1}])
 
     @inlineCallbacks
+    def test_unknown_method_names_are_not_metric_labels(self):
+        """A refused call to a made-up method is counted under ``other``, never under its name."""
+        from prometheus_client import REGISTRY
+
+        def count(name: str) -> float:
+            return REGISTRY.get_sample_value("synflow_rpc_served_total",
+                                             {"name": name, "outcome": "unauthorized"}) or 0.0
+
+        before = count("other")
+        made_up = "x" + "".join(random.choice("abcdefghij") for _ in range(20))
+        code, _ = yield ensureDeferred(self.post(made_up, "t1", {"args": {}}, None))
+        self.assertEqual(code, 401)
+        self.assertEqual(count("other") - before, 1)
+        self.assertIsNone(REGISTRY.get_sample_value("synflow_rpc_served_total",
+                                                    {"name": made_up, "outcome": "unauthorized"}))
+
+    @inlineCallbacks
     def test_client_secret(self):
         """RpcClient with the right secret gets the result; with none or a wrong one, a 401 HttpApiError."""
         for secret in (None, "wrong"):

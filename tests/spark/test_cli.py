@@ -69,6 +69,22 @@ class CommandLineTests(TestCase):
             self.assertTrue(json.load(fh)["injected"])
 
 
+def bare_python(directory: str) -> str:
+    """A ``python`` for Spark's Python processes that sees the virtualenv's packages but skips site processing.
+
+    Without ``.pth`` files the editable install of this checkout is not on ``sys.path``, as it would
+    not be on a cluster: the code under test must come from the script's own path handling or
+    from ``--py-files``.
+    """
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, "bare-python")
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(f'#!/bin/sh\nPYTHONPATH={sysconfig.get_paths()["purelib"]}"${{PYTHONPATH:+:$PYTHONPATH}}" '
+                 f'exec {sys.executable} -S "$@"\n')
+    os.chmod(path, 0o755)
+    return path
+
+
 def _spark_submit(logs: str, out: str, tmp: str) -> subprocess.CompletedProcess:
     """Run the venv's ``spark-submit --master local[1] spark/validate_tokens.py`` from ``/``.
 
@@ -84,12 +100,7 @@ def _spark_submit(logs: str, out: str, tmp: str) -> subprocess.CompletedProcess:
         if os.environ.get("CI"):
             raise AssertionError(f"{submit} is missing")
         raise SkipTest(f"{submit} is missing")
-    os.makedirs(tmp, exist_ok=True)
-    driver = os.path.join(tmp, "driver-python")
-    with open(driver, "w", encoding="utf-8") as fh:
-        fh.write(f'#!/bin/sh\nPYTHONPATH={sysconfig.get_paths()["purelib"]}"${{PYTHONPATH:+:$PYTHONPATH}}" '
-                 f'exec {sys.executable} -S "$@"\n')
-    os.chmod(driver, 0o755)
+    driver = bare_python(tmp)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "SPARK_MASTER")}
     env.update(SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=driver)
     return subprocess.run(

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import sysconfig
 import time
 import urllib.request
 
@@ -18,7 +17,7 @@ from spark.inject import expected_keys
 from tests.cluster import free_port
 from tests.services import require_java
 from tests.spark._session import validate
-from tests.spark.test_cli import _read_out
+from tests.spark.test_cli import _read_out, bare_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUILD = os.path.join(ROOT, "scripts", "build_validator_zip")
@@ -105,11 +104,7 @@ class StandaloneClusterTest(TestCase):
 
         # Driver and executors run Python without site processing: the editable install of this
         # checkout is not on their path, so synflow_spark can only come from the archive.
-        python = os.path.join(tmp, "bare-python")
-        with open(python, "w", encoding="utf-8") as fh:
-            fh.write(f'#!/bin/sh\nPYTHONPATH="${{PYTHONPATH:+$PYTHONPATH:}}{sysconfig.get_paths()["purelib"]}" '
-                     f'exec {sys.executable} -S "$@"\n')
-        os.chmod(python, 0o755)
+        python = bare_python(tmp)
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "SPARK_MASTER")}
         env.update(SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=python, PYSPARK_DRIVER_PYTHON=python)
         cluster_out = os.path.join(tmp, "cluster")

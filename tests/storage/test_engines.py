@@ -199,6 +199,14 @@ class DatabaseConfigTests(SynchronousTestCase):
         e = self.assertRaises(ConfigError, DatabaseConfig.from_dict, {"port": 0})
         self.assertEqual(e.key, "database.port")
 
+    def test_synchronous_is_validated(self) -> None:
+        """``database.synchronous`` defaults to full, accepts normal, and refuses anything else by name."""
+        self.assertEqual(DatabaseConfig.from_dict({}).synchronous, "full")
+        self.assertEqual(DatabaseConfig.from_dict({"synchronous": "normal"}).synchronous, "normal")
+        e = self.assertRaises(ConfigError, DatabaseConfig.from_dict, {"synchronous": "off"})
+        self.assertEqual(e.key, "database.synchronous")
+        self.assertIn("'off'", str(e))
+
     def test_from_dict_not_a_mapping(self) -> None:
         """A ``database`` section that is not a mapping is a ConfigError on ``database``."""
         e = self.assertRaises(ConfigError, DatabaseConfig.from_dict, ["sqlite"])
@@ -493,7 +501,7 @@ class SqliteDatabaseTests(DatabaseTestsMixin, TestCase):
         return sqlite3.IntegrityError
 
     async def test_connection_pragmas(self) -> None:
-        """SQLite connections use WAL, synchronous=NORMAL, foreign keys and a long busy timeout."""
+        """SQLite connections use WAL, synchronous=FULL (by default), foreign keys and a long busy timeout."""
         db = await self.make_db()
 
         def pragmas_txn(txn: Txn) -> list[Any]:
@@ -505,7 +513,19 @@ class SqliteDatabaseTests(DatabaseTestsMixin, TestCase):
                 values.append(row[0])
             return values
 
-        self.assertEqual(await db.run_interaction("pragmas", pragmas_txn), ["wal", 1, 1, 30000])
+        self.assertEqual(await db.run_interaction("pragmas", pragmas_txn), ["wal", 2, 1, 30000])
+
+    async def test_synchronous_normal_when_configured(self) -> None:
+        """``database.synchronous: normal`` relaxes SQLite's sync to NORMAL (1)."""
+        db = await self.make_db(synchronous="normal")
+
+        def synchronous_txn(txn: Txn) -> Any:
+            txn.execute("PRAGMA synchronous")
+            row = txn.fetchone()
+            assert row is not None
+            return row[0]
+
+        self.assertEqual(await db.run_interaction("synchronous", synchronous_txn), 1)
 
     async def test_memory_database_with_one_connection(self) -> None:
         """An in-memory SQLite database works with its single connection."""

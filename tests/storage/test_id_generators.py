@@ -199,6 +199,43 @@ class IdGeneratorTestsMixin:
         raise NotImplementedError
 
 
+    async def test_full_audit_disk_never_fails_a_committed_write(self) -> None:
+        """With the audit disk full, a write over two streams succeeds and both streams' positions move."""
+        import errno
+        import os
+
+        from synflow import audit_files
+        from synflow.audit import AuditLog
+
+        def full(fd: int, data: Any) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        self.patch(audit_files, "os_write", full)  # type: ignore[attr-defined]
+        db = await self._db()
+        clock = Clock()
+        audit = AuditLog(os.path.abspath(self.mktemp()), WRITER, clock)  # type: ignore[attr-defined]
+        self.addCleanup(audit.close)  # type: ignore[attr-defined]
+        state = await self._load(db)
+        events = MultiWriterIdGenerator(EVENTS, WRITER, max(state.last_allocated, 1), clock, audit)
+        caches_start = await db.run_interaction("last", last_allocated_txn, STREAMS["caches"])
+        caches = MultiWriterIdGenerator(STREAMS["caches"], WRITER, caches_start, clock, audit)
+        announced: dict[str, int] = {}
+        events.add_listener(lambda facts, pos: announced.__setitem__("events", pos))
+        caches.add_listener(lambda facts, pos: announced.__setitem__("caches", pos))
+        writers = StreamWriters(db, {"events": events, "caches": caches})
+
+        def both(ctx: StreamWriteContext) -> tuple[list[int], list[int]]:
+            return write_events(ctx, 2), ctx.allocate("caches", 1)
+
+        event_ids, cache_ids = await writers.run_write("w", ["events", "caches"], both)
+        self.assertEqual((events.position, caches.position), (max(event_ids), max(cache_ids)))
+        self.assertEqual(announced, {"events": max(event_ids), "caches": max(cache_ids)})
+        self.assertIsNotNone(audit.problem)
+        # The next write works as well: no fetch was left open.
+        (more,) = [await writers.run_write("w", ["events"], write_events, 1)]
+        self.assertEqual(events.position, max(more))
+
+
 class SqliteIdGeneratorTests(IdGeneratorTestsMixin, TestCase):
     engine = "sqlite"
 
