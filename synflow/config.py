@@ -209,6 +209,8 @@ class LoggingConfig:
 
 #: Every resource a listener may name (what each serves: synflow/listeners.py).
 RESOURCES = ("client", "federation", "metrics", "health", "replication", "rpc")
+#: The resources that are internal channels (need the secret off loopback).
+INTERNAL_CHANNELS: frozenset[str] = frozenset({"replication", "rpc"})
 #: The largest ``federation.catch_up_max_events`` accepted.
 MAX_CATCH_UP_MAX_EVENTS = 1_000_000
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -666,6 +668,14 @@ def _check_exposure(config: SynflowConfig, origins: Mapping[str, str]) -> None:
         exposed.append((f"instance_map.{config.instance_name}.host", own.host))
     if r.transport is Transport.TCP:
         exposed.append(("replication.hub.host", r.hub.host))
+    for i, listener in enumerate(config.listeners):
+        if INTERNAL_CHANNELS & set(listener.resources):
+            kind = listener.endpoint.split(":", 1)[0]
+            address = tcp_address(listener.endpoint)
+            if address is not None:
+                exposed.append((f"listeners[{i}].endpoint", address[0]))
+            elif kind != "unix":  # a unix socket is reached only through the file system
+                exposed.append((f"listeners[{i}].endpoint", listener.endpoint))
     for key, host in exposed:
         if not is_loopback(host):
             raise config_error(

@@ -130,12 +130,16 @@ class ConfigSecretTest(SynchronousTestCase):
             ({"allow_unauthenticated": True}, {"instance_map": {"master": {"host": "10.1.2.3", "port": 9093}}},
              "instance_map.master.host"),
         )
+        cases += (
+            ({"allow_unauthenticated": True},
+             {"listeners": [{"endpoint": "tcp:9093", "resources": ["rpc", "health"]}]}, "listeners[0].endpoint"),
+        )
         for replication, top, key in cases:
             path = _write_config(self, replication, **top)
             with self.assertRaises(ConfigError) as cm:
                 load_config([path])
             self.assertEqual((cm.exception.key, cm.exception.path), (key, path))
-            self.assertIn("is not a loopback address", str(cm.exception))
+            self.assertIn("is not a loopback address", str(cm.exception), key)
             load_config([_write_config(self, {**replication, "secret": "s"}, **top)])  # a secret makes it fine
             load_config([_write_config(self, {**replication, "allow_unauthenticated": False}, **top)])  # the generated one too
 
