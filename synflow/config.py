@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import importlib.util
+import ipaddress
 import os
 import types
 import typing
@@ -23,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
 import attrs
+import unpaddedbase64
 import yaml
 
 from synflow.endpoints import endpoint_problem, tcp_address
@@ -149,6 +151,11 @@ class FederationConfig:
     max_body_bytes: int = 2 * 1024 * 1024
     #: Catch-up sends every unacknowledged event up to this many per destination; past it, the latest per room.
     catch_up_max_events: int = 10_000
+    #: Pinned remote keys: server name -> {key ID: unpadded base64 ed25519 public key}.
+    trusted_keys: dict[str, dict[str, str]] = attrs.Factory(dict)
+    #: CIDR ranges outbound federation never connects to (None: the default list);
+    #: destinations listed in ``destinations`` are exempt.
+    ip_range_blacklist: list[str] | None = None
 
 
 @attrs.frozen
@@ -232,6 +239,8 @@ class SynflowConfig:
     app: str
     instance_name: str
     data_dir: str = "var"
+    #: This server's ed25519 signing key file (None: ``<data_dir>/signing.key``).
+    signing_key_path: str | None = None
     database: DatabaseSection = DatabaseSection()
     replication: ReplicationConfig = ReplicationConfig()
     instance_map: dict[str, HostPort] = attrs.Factory(dict)
@@ -306,6 +315,11 @@ class SynflowConfig:
     def database_path(self) -> str:
         """The SQLite file: ``database.path``, else ``<data_dir>/synflow.db``."""
         return self.database.path or os.path.join(self.data_dir, "synflow.db")
+
+    @property
+    def signing_key_file(self) -> str:
+        """The signing key file: ``signing_key_path``, else ``<data_dir>/signing.key``."""
+        return self.signing_key_path or os.path.join(self.data_dir, "signing.key")
 
     @property
     def audit_dir(self) -> str:
@@ -653,6 +667,30 @@ def _check_federation(federation: FederationConfig, origins: Mapping[str, str]) 
     if not 0 <= federation.catch_up_max_events <= MAX_CATCH_UP_MAX_EVENTS:
         raise config_error(origins, "federation.catch_up_max_events",
                            f"must be in [0, {MAX_CATCH_UP_MAX_EVENTS}], got {federation.catch_up_max_events!r}")
+    _check_federation_trust(federation, origins)
+
+
+def _check_federation_trust(federation: FederationConfig, origins: Mapping[str, str]) -> None:
+    """``federation.trusted_keys`` decode as ed25519 keys; ``ip_range_blacklist`` entries are CIDR ranges."""
+    for server, keys in federation.trusted_keys.items():
+        if not keys:
+            raise config_error(origins, f"federation.trusted_keys.{server}", "lists no key")
+        for kid, key in keys.items():
+            where = f"federation.trusted_keys.{server}.{kid}"
+            if not kid.startswith("ed25519:") or kid == "ed25519:":
+                raise config_error(origins, where, "key IDs must be ed25519:<version>")
+            try:
+                raw = unpaddedbase64.decode_base64(key)
+            except Exception:
+                raw = b""
+            if len(raw) != 32:
+                raise config_error(origins, where, "must be a 32-byte ed25519 public key in unpadded base64")
+    for i, entry in enumerate(federation.ip_range_blacklist or []):
+        try:
+            ipaddress.ip_network(entry, strict=False)
+        except ValueError:
+            raise config_error(origins, f"federation.ip_range_blacklist[{i}]",
+                               f"{entry!r} is not an IP range (CIDR, e.g. 10.0.0.0/8)") from None
 
 
 def _check_exposure(config: SynflowConfig, origins: Mapping[str, str]) -> None:

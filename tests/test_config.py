@@ -170,6 +170,30 @@ class ConfigTest(_ConfigFiles):
         config = self.load(SHARED + "federation: {backoff: {multiplier: 1, initial_s: 5, max_s: 5, jitter: 0}}\n")
         self.assertEqual((config.federation.backoff.multiplier, config.federation.backoff.max_s), (1.0, 5.0))
 
+    def test_federation_trust_keys(self):
+        """Bad trusted_keys and ip_range_blacklist entries are refused, naming the key; good ones load."""
+        key = "l8Hft5qXKn1vfHrg3p4+W8gELQVo8N13JkluMfmn2sQ"
+        cases = [
+            ("trusted_keys: {b.test: {'ed25519:k': AAAA}}", "federation.trusted_keys.b.test.ed25519:k",
+             "32-byte ed25519 public key"),
+            (f"trusted_keys: {{b.test: {{'rsa:k': {key}}}}}", "federation.trusted_keys.b.test.rsa:k",
+             "ed25519:<version>"),
+            ("trusted_keys: {b.test: {}}", "federation.trusted_keys.b.test", "lists no key"),
+            ("ip_range_blacklist: [10.0.0.0/8, nope]", "federation.ip_range_blacklist[1]", "'nope' is not an IP range"),
+        ]
+        for federation, key_path, fragment in cases:
+            self.assertConfigError("shared.yaml", key_path, fragment, shared=SHARED + f"federation: {{{federation}}}\n")
+        config = self.load(SHARED + f"federation: {{trusted_keys: {{b.test: {{'ed25519:k': {key}}}}}, "
+                                    "ip_range_blacklist: ['10.0.0.0/8', 'fc00::/7']}\n")
+        self.assertEqual(config.federation.trusted_keys, {"b.test": {"ed25519:k": key}})
+        self.assertEqual(config.federation.ip_range_blacklist, ["10.0.0.0/8", "fc00::/7"])
+
+    def test_signing_key_file(self):
+        """The signing key lives at <data_dir>/signing.key unless signing_key_path says otherwise."""
+        config = self.load()
+        self.assertEqual(config.signing_key_file, os.path.join(config.data_dir, "signing.key"))
+        self.assertEqual(self.load(SHARED + "signing_key_path: /k/my.key\n").signing_key_file, "/k/my.key")
+
     def test_audit_retention_and_rate_limit_ranges(self):
         """Retention sizes, rate limits and database.synchronous are checked, naming file and key."""
         cases = [
@@ -197,6 +221,7 @@ class ConfigTest(_ConfigFiles):
         self.assertEqual((backoff.initial_s, backoff.multiplier, backoff.max_s, backoff.jitter), (10.0, 2.0, 86400.0, 0.2))
         self.assertEqual(federation.destinations, {})
         self.assertEqual(federation.catch_up_max_events, 10_000)
+        self.assertEqual((federation.trusted_keys, federation.ip_range_blacklist), ({}, None))
 
 
 def run_from_operator_directory(testcase: SynchronousTestCase) -> str:

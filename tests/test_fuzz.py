@@ -16,11 +16,14 @@ from urllib.parse import quote
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from signedjson.key import generate_signing_key
 from twisted.internet.defer import ensureDeferred, inlineCallbacks
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from synflow.config import load_config
 from synflow.errors import ConfigError, ProtocolError, TokenError
+from synflow.federation.keys import public_key_base64
+from synflow.federation.signing import auth_header
 from synflow.replication.commands import COMMANDS, Side, may_send, parse_line
 from synflow.replication.core import Close, ConnectionCore, Deliver, SendLine, State
 from synflow.tokens import StreamToken
@@ -190,8 +193,12 @@ class HttpFuzzTest(TestCase):
 
     @inlineCallbacks
     def setUp(self):
+        # other.test's key is pinned, so signed fuzz reaches /send's own validation past the signature gate.
+        self.peer_key = generate_signing_key("k")
+        pinned = public_key_base64(self.peer_key)
         self.master, self.url = yield single_master(
-            self, "federation: {destinations: {other.test: 'http://127.0.0.1:1'}}\n", server_name="fuzz.test"
+            self, "federation: {destinations: {other.test: 'http://127.0.0.1:1'}, "
+                  f"trusted_keys: {{other.test: {{'ed25519:k': '{pinned}'}}}}}}\n", server_name="fuzz.test"
         )
         self.pool = new_pool()
         self.addCleanup(self.pool.closeCachedConnections)
@@ -224,7 +231,17 @@ class HttpFuzzTest(TestCase):
                 if i % 2:
                     # get_missing_events, as an allowed origin (its own room check then refuses or answers).
                     method, path = "POST", f"/_matrix/federation/v1/get_missing_events/{quote(room, safe='')}"
-                    headers = {"Authorization": ["X-Matrix origin=other.test,destination=fuzz.test"]}
+                try:
+                    content_json = json.loads(body)
+                except (ValueError, RecursionError):
+                    pass
+                else:
+                    if rng.random() < 0.7:
+                        try:
+                            headers["Authorization"] = [auth_header("other.test", "fuzz.test", self.peer_key, method,
+                                                                    path, content_json)]
+                        except (ValueError, UnicodeError):
+                            pass  # content no signer can encode: sent unsigned
                 try:
                     response = await fed.http.request(method, self.url + path, data=body, headers=headers,
                                                       timeout=30)
@@ -262,5 +279,7 @@ class HttpFuzzTest(TestCase):
         print(f"fuzzed {self.REQUESTS} HTTP requests: statuses {sorted(statuses.items())}; "
               f"federation errors {sorted(fed_errors.items())}")
         self.assertTrue(fed_errors, "no federation request was refused: the fuzz did not reach /send")
+        self.assertTrue(set(fed_errors) - {"M_UNAUTHORIZED", "M_NOT_JSON"},
+                        "no signed request reached an endpoint's own validation")
         self.assertTrue(gme_errors, "no get_missing_events request was refused: the fuzz did not reach it")
         await user.send(room, {"body": "still alive"}, "final")

@@ -39,7 +39,16 @@ from synflow.errors import HttpApiError
 from synflow.events.persist import EventPersister, PersistResult
 from synflow.events.router import EventRouter, serve_persist
 from synflow.events.sync import SyncHandler
+from synflow.federation.auth import (
+    FEDERATION_PREFIX,
+    KEY_PATH,
+    FederationAuthResource,
+    ServerKeyResource,
+    require_origin,
+)
 from synflow.federation.edus import EduFollower, EduQueue
+from synflow.federation.keyring import KeyRing, pinned_keys
+from synflow.federation.keys import load_or_create_signing_key
 from synflow.federation.missing_events import (
     GET_MISSING_EVENTS_PREFIX,
     MissingEventsResource,
@@ -118,6 +127,8 @@ class SynflowProcess(ProcessService):
     missing_events: MissingEventsResource | None = None
     federation_sender: FederationSender | None = None
     edu_queue: EduQueue | None = None
+    signing_key: Any = None
+    keyring: KeyRing
     listeners: dict[str, ListeningService]
 
     async def setup_app(self) -> None:
@@ -158,10 +169,13 @@ class SynflowProcess(ProcessService):
 
             self.rpc_server.register("queue_edus", queue_edus)
         self.sync = SyncHandler(self.store, handler, self.instances, self.reactor, self.audit)
+        if serving(config, "federation") is not None or config.app == "federation_sender":
+            self.signing_key = load_or_create_signing_key(config.signing_key_file)
         if serving(config, "federation") is not None:
-            allowed = (config.federation.allowed_origins if config.federation.allowed_origins is not None
-                       else sorted(config.federation.destinations))
-            client = TreqFederationTransport.from_config(self.reactor, config.federation, server_name=config.server_name)
+            allowed = self.allowed_origins()
+            client = TreqFederationTransport.from_config(self.reactor, config.federation,
+                                                         server_name=config.server_name, signing_key=self.signing_key)
+            self.keyring = KeyRing(client.get_server_keys, self.reactor, pinned_keys(config.federation.trusted_keys))
             self.federation_inbound = inbound_handler(
                 self.db, self.router, handler,
                 allowed_origins=allowed,
@@ -171,7 +185,7 @@ class SynflowProcess(ProcessService):
             )
             self.missing_events = MissingEventsResource(
                 SqlMissingEventsStore(self.db, config.server_name), allowed_origins=allowed,
-                max_json_depth=config.limits.max_json_depth,
+                max_json_depth=config.limits.max_json_depth, origin_of=require_origin,
             )
         if config.app == "federation_sender":
             await self.setup_federation_sender(handler)
@@ -196,11 +210,22 @@ class SynflowProcess(ProcessService):
         if kind == "client" and self.client_api is not None:
             return {CLIENT_PREFIX: self.client_api}
         if kind == "federation" and self.federation_inbound is not None:
-            return {FEDERATION_SEND_PREFIX: self.federation_inbound.resource(),
-                    GET_MISSING_EVENTS_PREFIX: self.missing_events}
+            return {FEDERATION_PREFIX: FederationAuthResource(self.config.server_name, self.keyring,
+                                                              self.federation_endpoints(), self.allowed_origins()),
+                    KEY_PATH: ServerKeyResource(self.config.server_name, self.signing_key, self.reactor)}
         if kind == "rpc":
             return {RPC_PREFIX: self.rpc_server}
         return {}
+
+    def federation_endpoints(self) -> dict[str, Any]:
+        """The federation endpoints, by full path prefix: all behind the signature check."""
+        return {FEDERATION_SEND_PREFIX: self.federation_inbound.resource(origin_of=require_origin),
+                GET_MISSING_EVENTS_PREFIX: self.missing_events}
+
+    def allowed_origins(self) -> list[str]:
+        """``federation.allowed_origins``, else the servers listed in ``federation.destinations``."""
+        federation = self.config.federation
+        return federation.allowed_origins if federation.allowed_origins is not None else sorted(federation.destinations)
 
     async def setup_federation_sender(self, handler: Any) -> None:
         """Follow the events stream and send to the destinations this sender owns."""
@@ -209,7 +234,8 @@ class SynflowProcess(ProcessService):
         store = SqlDestinationStore(self.db)
         self.follower = EventsFollower(store, handler, self.instances, config.server_name,
                                        config.instance_name, self.reactor)
-        transport = TreqFederationTransport.from_config(self.reactor, config.federation, server_name=config.server_name)
+        transport = TreqFederationTransport.from_config(self.reactor, config.federation,
+                                                        server_name=config.server_name, signing_key=self.signing_key)
         self.federation_sender = FederationSender(
             server_name=config.server_name, instance_name=config.instance_name,
             instances=config.federation_sender_instances, store=store, transport=transport,

@@ -11,6 +11,12 @@
 * :mod:`~synflow.federation.transport` -- ``/send`` over treq;
 * :mod:`~synflow.federation.inbound` -- inbound ``/send`` validation,
   dedupe and the twisted.web resource;
+* :mod:`~synflow.federation.keys`, :mod:`~synflow.federation.signing`,
+  :mod:`~synflow.federation.keyring`, :mod:`~synflow.federation.auth` --
+  server keys, signed requests, remote keys, and the gate every inbound
+  federation request passes;
+* :mod:`~synflow.federation.addresses` -- the outbound address policy
+  (``federation.ip_range_blacklist``);
 * :mod:`~synflow.federation.metrics` -- the Prometheus metrics.
 
 See ``docs/federation.md``.

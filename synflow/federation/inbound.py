@@ -7,6 +7,8 @@ Three layers, each usable alone:
   400, with an ``errcode`` such as ``M_NOT_JSON``, ``M_TOO_LARGE`` or
   ``M_FORBIDDEN``) saying exactly what is wrong;
 * :class:`InboundTransactionHandler` -- deduplicates on ``(origin, txn_id)``
+  (the origin authenticated by :mod:`synflow.federation.auth`, never a
+  claim in the body)
   through a :class:`~synflow.federation.interfaces.DedupeStore`, persists each
   PDU through an injected callable, reports the origin as up, and returns
   ``(code, json_body)`` (503, unremembered, when a PDU cannot be persisted
@@ -185,7 +187,8 @@ def validate_transaction(
     Args:
         origin_header_or_none: the origin the request authenticated as (from
             its ``Authorization: X-Matrix`` header), if known; the body's
-            ``origin`` must then equal it.
+            ``origin``, if present, must then equal it (else 401
+            ``M_UNAUTHORIZED``), and the transaction is that origin's.
         txn_id: the transaction ID from the URL.
         raw_body: the request body.
         allowed_origins: the servers allowed to send (None: any).
@@ -199,21 +202,21 @@ def validate_transaction(
             ill-typed field, a PDU without a string ``event_id``, a malformed
             EDU, NaN/Infinity or an out-of-range integer outside the PDUs and
             EDUs), 400 ``M_INVALID_PARAM`` (a bad transaction ID), 400
-            ``M_FORBIDDEN`` (origin not allowed or not the authenticated one).
-            Every refusal is a 400, as the issue's contract for inbound
-            garbage asks; the ``errcode`` says which kind it was. A PDU with
-            an ``event_id`` but bad otherwise is not a refusal of the
-            transaction: it is listed in ``Transaction.refused`` and answered
-            alone; an EDU out of bounds is dropped alone.
+            ``M_FORBIDDEN`` (origin not allowed), 401 ``M_UNAUTHORIZED`` (the
+            body's origin is not the authenticated one); the ``errcode`` says
+            which kind it was. A PDU with an ``event_id`` but bad otherwise is
+            not a refusal of the transaction: it is listed in
+            ``Transaction.refused`` and answered alone; an EDU out of bounds is
+            dropped alone.
     """
     if not isinstance(txn_id, str) or not txn_id or len(txn_id) > MAX_TXN_ID_LENGTH:
         raise HttpApiError(400, "M_INVALID_PARAM", f"transaction ID must be 1 to {MAX_TXN_ID_LENGTH} characters")
     body = _parse(raw_body, max_body_bytes, max_json_depth)
-    origin = body.get("origin")
+    origin = body.get("origin", origin_header_or_none)
     if not isinstance(origin, str) or not origin:
         raise _bad("origin must be a non-empty string")
     if origin_header_or_none is not None and origin != origin_header_or_none:
-        raise _bad(f"origin {origin!r} is not the authenticated server", "M_FORBIDDEN")
+        raise HttpApiError(401, "M_UNAUTHORIZED", f"origin {origin[:255]!r} is not the authenticated server")
     if allowed_origins is not None and origin not in allowed_origins:
         raise _bad(f"federation from {origin!r} is not allowed", "M_FORBIDDEN")
     origin_server_ts = body.get("origin_server_ts")

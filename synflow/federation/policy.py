@@ -27,7 +27,8 @@ from __future__ import annotations
 import enum
 import itertools
 import random
-from collections.abc import Iterable, Sequence
+import secrets
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import attrs
@@ -118,24 +119,36 @@ def transaction_body(
     return body
 
 
+#: Random bytes in each transaction ID (base64url-encoded).
+TXN_ID_RANDOM_BYTES = 16
+
+
+def _random_token() -> str:
+    return secrets.token_urlsafe(TXN_ID_RANDOM_BYTES)
+
+
 class TransactionIds:
-    """Transaction IDs: ``<ms at creation>.<counter>``.
+    """Transaction IDs: ``<ms at creation>.<counter>.<random>``.
 
     Unique per generator, and across restarts as long as two generators are
-    not created in the same millisecond. A transaction keeps its ID across
-    retries; only a new transaction takes a new one.
+    not created in the same millisecond; the random part (128 bits from the
+    operating system's CSPRNG) makes the next ID unguessable, so no one can
+    pre-send a transaction under an ID this server will use. A transaction
+    keeps its ID across retries; only a new transaction takes a new one.
 
     Args:
         start_ms: the creation time in ms (the caller reads its clock).
+        token: makes the random part (tests may inject a fixed one).
     """
 
-    def __init__(self, start_ms: int) -> None:
+    def __init__(self, start_ms: int, token: Callable[[], str] = _random_token) -> None:
         self._start_ms = start_ms
         self._counter = itertools.count(1)
+        self._token = token
 
     def next_id(self) -> str:
         """A new, never-returned ID."""
-        return f"{self._start_ms}.{next(self._counter)}"
+        return f"{self._start_ms}.{next(self._counter)}.{self._token()}"
 
 
 @attrs.frozen

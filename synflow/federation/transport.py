@@ -21,6 +21,14 @@ reply body larger than ``max_response_bytes`` yes
 any other status (3xx, 4xx)                   no
 ============================================  ===========
 
+Every request is signed (``Authorization: X-Matrix``, see
+:mod:`synflow.federation.signing`) when the transport is given this server's
+signing key, except the unauthenticated key fetch (:meth:`get_server_keys`).
+A destination listed in ``federation.destinations`` is reached through the
+plain client; any other one through the guarded client, whose resolver drops
+``federation.ip_range_blacklist`` addresses before connecting
+(:mod:`synflow.federation.addresses`).
+
 The client is anything treq-like with a ``request`` method (``treq`` itself, a
 :class:`treq.client.HTTPClient`, or :class:`treq.testing.StubTreq` in tests).
 :func:`build_treq_client` makes one on a reactor: TLS is verified by
@@ -46,7 +54,9 @@ from twisted.web.iweb import IPolicyForHTTPS
 from zope.interface import implementer
 
 from synflow.config import FederationConfig
+from synflow.federation.addresses import DEFAULT_IP_RANGE_BLACKLIST, AddressPolicy, GuardedReactor
 from synflow.federation.interfaces import JsonDict, TransactionFailed
+from synflow.federation.signing import auth_header
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +64,8 @@ logger = logging.getLogger(__name__)
 SEND_PATH = "/_matrix/federation/v1/send/"
 #: The path of ``get_missing_events``, before the URL-quoted room ID.
 GET_MISSING_EVENTS_PATH = "/_matrix/federation/v1/get_missing_events/"
+#: The path of a server's key endpoint.
+SERVER_KEYS_PATH = "/_matrix/key/v2/server"
 #: The largest reply body read (a ``/send`` reply is small).
 DEFAULT_MAX_RESPONSE_BYTES = 1024 * 1024
 #: The largest ``get_missing_events`` reply read: 50 events of up to 64 KiB each, and room to spare.
@@ -61,7 +73,16 @@ MAX_MISSING_EVENTS_RESPONSE_BYTES = 4 * 1024 * 1024
 _RETRIABLE_CODES = frozenset({408, 429})
 
 #: ``auth_headers(destination, method, path, body)`` -> extra request headers.
-AuthHeaders = Callable[[str, str, str, JsonDict], Mapping[bytes, list[bytes]]]
+AuthHeaders = Callable[[str, str, str, JsonDict | None], Mapping[bytes, list[bytes]]]
+
+
+def signer(server_name: str, signing_key: Any) -> AuthHeaders:
+    """``auth_headers`` signing every request as ``server_name`` with ``signing_key``."""
+
+    def auth_headers(destination: str, method: str, path: str, body: JsonDict | None) -> Mapping[bytes, list[bytes]]:
+        return {b"Authorization": [auth_header(server_name, destination, signing_key, method, path, body)]}
+
+    return auth_headers
 
 
 class _ReplyTooLarge(Exception):
@@ -105,7 +126,8 @@ def _is_ip_literal(host: bytes) -> bool:
     return True
 
 
-def build_treq_client(reactor: Any, *, verify_tls: bool = True, persistent: bool = True) -> Any:
+def build_treq_client(reactor: Any, *, verify_tls: bool = True, persistent: bool = True,
+                      address_policy: AddressPolicy | None = None) -> Any:
     """A :class:`treq.client.HTTPClient` on ``reactor``.
 
     Args:
@@ -113,9 +135,13 @@ def build_treq_client(reactor: Any, *, verify_tls: bool = True, persistent: bool
         verify_tls: verify certificates (treq's default policy); False only
             for test setups with self-signed certificates.
         persistent: keep connections open between transactions.
+        address_policy: if given, names resolve through it: addresses it
+            blocks are never connected to.
     """
     from treq.client import HTTPClient
 
+    if address_policy is not None:
+        reactor = GuardedReactor(reactor, address_policy)
     pool = HTTPConnectionPool(reactor, persistent=persistent)
     if verify_tls:
         agent = Agent(reactor, pool=pool)
@@ -139,7 +165,11 @@ class TreqFederationTransport:
             signed ``Authorization: X-Matrix ...``).
         server_name: our server name; without ``auth_headers``, requests
             carry an unsigned ``Authorization: X-Matrix
-            origin=...,destination=...`` so the remote knows who asks.
+            origin=...,destination=...`` (refused by a synflow or Synapse
+            receiver: for tests of the receiving side's other checks).
+        guarded_client: the client for destinations not listed in
+            ``destinations`` (one built with an address policy); None: the
+            same client for all.
     """
 
     def __init__(
@@ -152,8 +182,10 @@ class TreqFederationTransport:
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
         auth_headers: AuthHeaders | None = None,
         server_name: str | None = None,
+        guarded_client: Any = None,
     ) -> None:
         self._client = treq_client
+        self._guarded_client = guarded_client if guarded_client is not None else treq_client
         self._server_name = server_name
         self._auth_headers = auth_headers
         self._destinations = dict(destinations)
@@ -162,11 +194,21 @@ class TreqFederationTransport:
         self._max_response_bytes = max_response_bytes
 
     @classmethod
-    def from_config(cls, reactor: Any, config: FederationConfig, *,
-                    server_name: str | None = None) -> TreqFederationTransport:
-        """A transport on ``reactor`` configured by the ``federation`` section, asking as ``server_name``."""
+    def from_config(cls, reactor: Any, config: FederationConfig, *, server_name: str | None = None,
+                    signing_key: Any = None) -> TreqFederationTransport:
+        """A transport on ``reactor`` configured by the ``federation`` section, asking as ``server_name``.
+
+        With ``signing_key`` too, every request but the key fetch is signed.
+        Destinations not listed in ``federation.destinations`` go through a
+        client guarded by ``federation.ip_range_blacklist``.
+        """
         client = build_treq_client(reactor, verify_tls=config.verify_tls)
-        return cls(client, config.destinations, reactor, config.request_timeout_s, server_name=server_name)
+        blacklist = config.ip_range_blacklist
+        policy = AddressPolicy(DEFAULT_IP_RANGE_BLACKLIST if blacklist is None else blacklist)
+        guarded = build_treq_client(reactor, verify_tls=config.verify_tls, address_policy=policy)
+        auth = signer(server_name, signing_key) if server_name is not None and signing_key is not None else None
+        return cls(client, config.destinations, reactor, config.request_timeout_s, auth_headers=auth,
+                   server_name=server_name, guarded_client=guarded)
 
     def base_url(self, destination: str) -> str:
         """The base URL of ``destination``: the configured one, else ``https://<server_name>``."""
@@ -180,33 +222,44 @@ class TreqFederationTransport:
         """Send one transaction; see the module docstring for the outcomes."""
         return self.request_json(destination, "PUT", SEND_PATH + quote(txn_id, safe=""), body, label=txn_id)
 
+    def get_server_keys(self, destination: str) -> Deferred[JsonDict]:
+        """``GET /_matrix/key/v2/server`` of ``destination`` (unsigned), as a JSON object.
+
+        Fails with :class:`TransactionFailed` like :meth:`send_transaction`.
+        """
+        return self.request_json(destination, "GET", SERVER_KEYS_PATH, None, signed=False, label="server keys")
+
     def get_missing_events(self, destination: str, room_id: str, body: JsonDict) -> Deferred[JsonDict]:
         """``POST get_missing_events/{room_id}``; the outcomes are those of ``/send``."""
         return self.request_json(destination, "POST", GET_MISSING_EVENTS_PATH + quote(room_id, safe=""), body,
                                  label=f"get_missing_events {room_id}",
                                  max_response_bytes=MAX_MISSING_EVENTS_RESPONSE_BYTES)
 
-    def request_json(self, destination: str, method: str, path: str, body: JsonDict, *, label: str = "",
-                     max_response_bytes: int | None = None) -> Deferred[JsonDict]:
+    def request_json(self, destination: str, method: str, path: str, body: JsonDict | None, *, label: str = "",
+                     max_response_bytes: int | None = None, signed: bool = True) -> Deferred[JsonDict]:
         """One federation request whose reply is a JSON object (every request goes through here).
 
         Args:
             destination: the server name (mapped through ``destinations``).
-            method: ``PUT`` or ``POST``.
+            method: ``GET``, ``PUT`` or ``POST``.
             path: the request path, exactly as sent (and signed).
-            body: the JSON body.
+            body: the JSON body, or None for a request without one.
             label: names the request in logs.
             max_response_bytes: the largest reply read (default: the transport's).
+            signed: add the ``auth_headers`` (False only for the key fetch).
         """
         max_bytes = max_response_bytes if max_response_bytes is not None else self._max_response_bytes
         what = label or path
         url = self.base_url(destination) + path
         headers = {b"Content-Type": [b"application/json"]}
-        if self._auth_headers is not None:
+        if not signed:
+            pass
+        elif self._auth_headers is not None:
             headers.update(self._auth_headers(destination, method, path, body))
         elif self._server_name is not None:
             headers[b"Authorization"] = [f"X-Matrix origin={self._server_name},destination={destination}".encode()]
-        d = Deferred.fromCoroutine(self._send(method, url, body, headers, max_bytes))
+        client = self._client if destination in self._destinations else self._guarded_client
+        d = Deferred.fromCoroutine(self._send(client, method, url, body, headers, max_bytes))
         # Not Deferred.addTimeout: the agent turns the cancellation into
         # ResponseNeverReceived, so remember that the timeout fired instead.
         timed_out: list[bool] = []
@@ -225,10 +278,13 @@ class TreqFederationTransport:
         d.addBoth(_settled)
         return d.addErrback(self._classify, destination, what, timed_out)
 
-    async def _send(self, method: str, url: str, body: JsonDict, headers: dict[bytes, list[bytes]],
-                    max_bytes: int) -> JsonDict:
-        data = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
-        response = await self._client.request(method, url, data=data, headers=headers)
+    async def _send(self, client: Any, method: str, url: str, body: JsonDict | None,
+                    headers: dict[bytes, list[bytes]], max_bytes: int) -> JsonDict:
+        if body is None:
+            response = await client.request(method, url, headers=headers)
+        else:
+            data = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+            response = await client.request(method, url, data=data, headers=headers)
         raw = await self._read(response, max_bytes)
         code = response.code
         if 200 <= code < 300:

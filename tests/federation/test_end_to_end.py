@@ -1,19 +1,26 @@
-"""Sender to receiver over treq's StubTreq: stable transaction IDs meet receiver dedupe."""
+"""Sender to receiver over treq's StubTreq: stable transaction IDs meet receiver dedupe, signed requests meet the gate."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from signedjson.key import generate_signing_key
 from treq.testing import StubTreq
+from twisted.internet.defer import succeed
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.resource import Resource
 
-from synflow.federation.transport import TreqFederationTransport
-from tests.federation.fakes import Harness, mount_send
+from synflow.federation.auth import FEDERATION_PREFIX, FederationAuthResource, require_origin
+from synflow.federation.keyring import KeyRing
+from synflow.federation.keys import server_keys_response
+from synflow.federation.transport import TreqFederationTransport, signer
+from synflow.http.site import PrefixRoot
+from tests.federation.fakes import LOCAL, Harness, mount_send
 from tests.federation.test_inbound import Receiver
 
 REMOTE = "remote.test"
+SEND = "/_matrix/federation/v1/send"
 
 
 class LosesFirstReply(Resource):
@@ -70,6 +77,28 @@ class EndToEndTest(SynchronousTestCase):
         self.assertEqual([e for _, e in self.receiver.persisted], [p.event_id for p in sent])
         self.assertEqual([len(t.pdus) for t in h.sent_callbacks], [1, 50, 50, 19])
         self.assertEqual(len(self.receiver.store.responses), 4)
+
+    def test_signed_transactions_pass_the_gate(self):
+        """The sender's real transport signs each /send; the receiver's gate fetches its key and accepts it."""
+        key = generate_signing_key("a_1")
+        clock = Clock()
+        clock.advance(1_000_000)
+        receiver = Receiver(allowed_origins=[LOCAL])
+        keyring = KeyRing(lambda server: succeed(server_keys_response(server, key, int(clock.seconds() * 1000))),
+                          clock)
+        gate = FederationAuthResource(REMOTE, keyring, {SEND: receiver.handler.resource(origin_of=require_origin)})
+        root = PrefixRoot()
+        root.mount(FEDERATION_PREFIX, gate)
+        self.stub = StubTreq(root)
+        transport = TreqFederationTransport(self.stub, {}, clock, 30.0, auth_headers=signer(LOCAL, key))
+        h = Harness(clock=clock, transport=transport)
+        h.settle(REMOTE)
+        sent = [h.send("!r", [REMOTE]) for _ in range(3)]
+        for _ in range(10):
+            self.stub.flush()
+            clock.advance(0)
+        self.assertEqual(receiver.persisted, [(LOCAL, p.event_id) for p in sent])
+        self.assertEqual({origin for origin, _ in receiver.store.responses}, {LOCAL})
 
     def _with_transport(self, leaf: Resource) -> Harness:
         clock = Clock()

@@ -92,7 +92,7 @@ GARBAGE = [
     ("missing origin", None, body(origin=_DROP), 400, "M_BAD_JSON"),
     ("ill-typed origin", None, body(origin=7), 400, "M_BAD_JSON"),
     ("unlisted origin", None, body(origin="evil.test"), 400, "M_FORBIDDEN"),
-    ("origin not the authenticated one", "other.test", body(), 400, "M_FORBIDDEN"),
+    ("origin not the authenticated one", "other.test", body(), 401, "M_UNAUTHORIZED"),
     ("51 PDUs", None, body(pdus=[pdu(i) for i in range(51)]), 400, "M_TOO_LARGE"),
     ("101 EDUs", None, body(edus=[{"edu_type": "m.t", "content": {}}] * 101), 400, "M_TOO_LARGE"),
     ("oversized body", None, body(pdus=[pdu(1, content={"x": "y" * 30_000})]), 400, "M_TOO_LARGE"),
@@ -114,7 +114,7 @@ GARBAGE = [
 
 class ValidationTest(SynchronousTestCase):
     def test_garbage_is_refused_and_nothing_persisted(self):
-        """Each kind of garbage gets exactly 400 with {errcode, error}; nothing is persisted or remembered."""
+        """Each kind of garbage gets its 4xx with {errcode, error}; nothing is persisted or remembered."""
         for name, origin, raw, code, errcode in GARBAGE:
             r = Receiver()
             got_code, got = self.successResultOf(r.handler.on_send(origin, "txn1", raw))
@@ -266,12 +266,12 @@ class ResourceTest(SynchronousTestCase):
         self.assertEqual(self.successResultOf(resp.json())["errcode"], "M_NOT_JSON")
 
     def test_resource_passes_the_authenticated_origin(self):
-        """The origin from origin_of(request) must match the body's origin, else 400 M_FORBIDDEN."""
+        """The origin from origin_of(request) must match the body's origin, else 401 M_UNAUTHORIZED."""
         r = Receiver()
         stub = StubTreq(mount_send(r.handler.resource(origin_of=lambda request: "other.test")))
         resp = self.successResultOf(stub.put(self.URL + "t1", data=body()))
-        self.assertEqual(resp.code, 400)
-        self.assertEqual(self.successResultOf(resp.json())["errcode"], "M_FORBIDDEN")
+        self.assertEqual(resp.code, 401)
+        self.assertEqual(self.successResultOf(resp.json())["errcode"], "M_UNAUTHORIZED")
         self.assertEqual(r.persisted, [])
 
     def test_resource_answers_async_handlers(self):

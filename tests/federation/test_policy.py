@@ -81,6 +81,16 @@ class ComposeTest(SynchronousTestCase):
         ids = [a.next_id() for _ in range(500)] + [b.next_id() for _ in range(500)]
         self.assertEqual(len(set(ids)), 1000)
 
+    def test_transaction_ids_are_unpredictable(self):
+        """Two generators started in the same ms share no ID; each ID ends in 128 random bits."""
+        a, b = TransactionIds(1000), TransactionIds(1000)
+        first = [a.next_id() for _ in range(100)]
+        second = [b.next_id() for _ in range(100)]
+        self.assertEqual(set(first) & set(second), set())
+        for txn_id in first:
+            self.assertGreaterEqual(len(txn_id.rsplit(".", 1)[1]), 22)
+        self.assertEqual(TransactionIds(7, token=lambda: "r").next_id(), "7.1.r")
+
 
 class RetryStateTest(SynchronousTestCase):
     def test_first_failure_waits_the_initial_interval(self):

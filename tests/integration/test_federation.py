@@ -11,12 +11,15 @@ import urllib.request
 from collections import Counter
 
 import treq
+from signedjson.key import generate_signing_key
 from twisted.internet import reactor
 from twisted.internet.defer import ensureDeferred, inlineCallbacks
 from twisted.trial.unittest import TestCase
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Site
 
+from synflow.federation.keys import load_or_create_signing_key
+from synflow.federation.signing import auth_header
 from synflow.sharding import shard_for
 from synflow.tools.client import ApiError, Client, new_pool
 from tests import services
@@ -138,7 +141,8 @@ class FlakyDestination(Resource):
         body = request.content.read()
         gone = []
         request.notifyFinish().addErrback(lambda _: gone.append(True))
-        d = ensureDeferred(self._handle(n, request.uri.decode(), body))
+        auth = request.requestHeaders.getRawHeaders(b"Authorization", [])
+        d = ensureDeferred(self._handle(n, request.uri.decode(), body, auth))
 
         def answer(result):
             code, content = result
@@ -152,7 +156,7 @@ class FlakyDestination(Resource):
         d.addErrback(lambda f: answer((502, json.dumps({"errcode": "M_UNKNOWN", "error": f.getErrorMessage()}).encode())))
         return NOT_DONE_YET
 
-    async def _handle(self, n: int, uri: str, body: bytes) -> tuple[int, bytes]:
+    async def _handle(self, n: int, uri: str, body: bytes, auth: list[bytes]) -> tuple[int, bytes]:
         kind = n % 6
         injected = json.dumps({"errcode": "M_UNKNOWN", "error": "injected failure"}).encode()
         if kind == 1:
@@ -161,7 +165,9 @@ class FlakyDestination(Resource):
         if kind in (3, 5):
             self.faults["slow (1 s)" if kind == 3 else "past the request timeout (6 s)"] += 1
             await sleep(1.0 if kind == 3 else 6.0)
-        response = await treq.put(self.target + uri, data=body, headers={"Content-Type": ["application/json"]},
+        # The sender's signature covers the path and names b.test, so it verifies when passed on unchanged.
+        response = await treq.put(self.target + uri, data=body,
+                                  headers={"Content-Type": ["application/json"], "Authorization": auth},
                                   pool=self.pool)
         content = await response.content()
         if kind == 4:
@@ -256,7 +262,11 @@ class FederationMixin(FederationPair):
 
     @inlineCallbacks
     def test_both_directions_exactly_once_in_order(self):
-        """Every message sent on either side is persisted on the other exactly once, in each origin's order."""
+        """Every message sent on either side is persisted on the other exactly once, in each origin's order.
+
+        Every request was signed and verified: each master fetched the
+        other's key and authenticated every inbound request, refusing none.
+        """
         yield self.pair()
         alice, bob, rooms = yield ensureDeferred(self.shared_rooms(12))
         rng = random.Random(1)
@@ -278,6 +288,13 @@ class FederationMixin(FederationPair):
                 on_a = [e for r, e, o in a_msgs if r == room and o == origin]
                 on_b = [e for r, e, o in b_msgs if r == room and o == origin]
                 self.assertEqual(on_a, on_b, f"{origin}'s messages in {room} differ between the servers")
+        for side in (self.a, self.b):
+            counts = {outcome: metric(side.cluster, "master", "synflow_federation_inbound_requests_total",
+                                      outcome=outcome) for outcome in ("authenticated", "unauthorized", "forbidden")}
+            self.assertGreater(counts["authenticated"], 0, side.name)
+            self.assertEqual((counts["unauthorized"], counts["forbidden"]), (0, 0), side.name)
+            self.assertEqual(metric(side.cluster, "master", "synflow_federation_key_fetches_total", outcome="ok"), 1,
+                             f"{side.name} fetched its peer's key other than once")
 
     @inlineCallbacks
     def test_outage_past_catch_up_threshold(self):
@@ -363,11 +380,70 @@ class FederationMixin(FederationPair):
 
         yield wait_until(lambda: outbox_rows() == 0, 60, "both senders' FEDERATION_ACKs to trim the outbox")
 
+    def put_send(self, txn_id: str, body: bytes, sign_with=None, *, origin: str = "b.test",
+                 destination: str = "a.test") -> tuple[int, dict]:
+        """PUT a.test's /send/{txn_id} with ``body``, signed as ``origin`` for ``destination`` if a key is given."""
+        path = f"/_matrix/federation/v1/send/{txn_id}"
+        headers = {"Content-Type": "application/json"}
+        if sign_with is not None:
+            headers["Authorization"] = auth_header(origin, destination, sign_with, "PUT", path,
+                                                   json.loads(body)).decode()
+        request = urllib.request.Request(f"http://127.0.0.1:{self.a.fed_port}{path}", data=body, method="PUT",
+                                         headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def signing_key(self, side: Side):
+        """The signing key a deployment generated on its first start."""
+        return load_or_create_signing_key(os.path.join(side.cluster.shared["data_dir"], "signing.key"))
+
+    @inlineCallbacks
+    def test_forged_send_refused(self):
+        """Forged /send requests claiming to be b.test get 401, persist nothing and poison no dedupe entry."""
+        yield self.pair()
+        b_key = self.signing_key(self.b)
+        intruder = generate_signing_key(b_key.version)
+        pdu = {"event_id": "$forged:b.test", "room_id": "!r:a.test", "type": "m.room.message",
+               "sender": "@bob:b.test", "content": {"body": "forged"}, "origin_server_ts": 1}
+        body = json.dumps({"origin": "b.test", "origin_server_ts": 1, "pdus": [pdu]}).encode()
+        other_origin = json.dumps({"origin": "c.test", "origin_server_ts": 1, "pdus": []}).encode()
+        cases = [
+            ("right body, no signature", body, None, {}),
+            ("wrong signature", body, None,
+             {"Authorization": auth_header("b.test", "a.test", b_key, "PUT", "/_matrix/federation/v1/send/other",
+                                           json.loads(body)).decode()}),
+            ("wrong key", body, intruder, {}),
+            ("replayed to another destination", body, b_key, {"destination": "c.test"}),
+            ("body origin differs from the signed origin", other_origin, b_key, {}),
+        ]
+        for name, raw, key, extra in cases:
+            if "Authorization" in extra:
+                request = urllib.request.Request(
+                    f"http://127.0.0.1:{self.a.fed_port}/_matrix/federation/v1/send/t1", data=raw, method="PUT",
+                    headers={"Content-Type": "application/json", **extra})
+                with self.assertRaises(urllib.error.HTTPError, msg=name) as cm:
+                    urllib.request.urlopen(request, timeout=30)
+                code, reply = cm.exception.code, json.loads(cm.exception.read())
+            else:
+                code, reply = self.put_send("t1", raw, key, **extra)
+            self.assertEqual((code, reply.get("errcode")), (401, "M_UNAUTHORIZED"), name)
+        self.assertEqual(messages(self.a.cluster), [])
+        self.assertEqual(self.a.cluster.query("SELECT count(*) FROM received_transactions")[0][0], 0)
+        # b.test's own transaction under the ID the forger used is still processed.
+        self.assertEqual(self.put_send("t1", json.dumps({"origin": "b.test", "origin_server_ts": 1,
+                                                         "pdus": []}).encode(), b_key), (200, {"pdus": {}}))
+        # The gate refused four; the fifth really was signed by b.test and /send refused its body's origin.
+        self.assertEqual(metric(self.a.cluster, "master", "synflow_federation_inbound_requests_total",
+                                outcome="unauthorized"), len(cases) - 1)
+
     @inlineCallbacks
     def test_inbound_garbage_rejected(self):
-        """Malformed inbound transactions get exactly 400 with an error body; nothing is persisted; the master serves on."""
+        """Unsigned requests get 401; malformed signed ones exactly 400 with an error body; nothing is persisted; the master serves on."""
         yield self.pair()
-        url = f"http://127.0.0.1:{self.a.fed_port}/_matrix/federation/v1/send/"
+        b_key = self.signing_key(self.b)
         pdu = {"event_id": "$x:b.test", "room_id": "!r:a.test", "type": "m.room.message", "sender": "@bob:b.test",
                "content": {}, "origin_server_ts": 1}
         cases = [
@@ -376,28 +452,30 @@ class FederationMixin(FederationPair):
              "M_TOO_LARGE"),
             ("101 EDUs", json.dumps({"origin": "b.test", "origin_server_ts": 1, "pdus": [],
                                      "edus": [{"edu_type": "x", "content": {}}] * 101}).encode(), "M_TOO_LARGE"),
-            ("wrong origin", json.dumps({"origin": "evil.test", "origin_server_ts": 1, "pdus": [pdu]}).encode(),
-             "M_FORBIDDEN"),
             ("malformed PDU", json.dumps({"origin": "b.test", "origin_server_ts": 1,
                                           "pdus": [{"event_id": 5}]}).encode(), "M_BAD_JSON"),
             # Over federation.max_body_bytes (2 MiB), and over the listener's 1 MiB as well.
             ("oversized body", b'{"origin": "b.test", "pdus": []' + b" " * 3_000_000 + b"}", "M_TOO_LARGE"),
         ]
+        unsigned = json.dumps({"origin": "b.test", "origin_server_ts": 1, "pdus": [pdu]}).encode()
+        self.assertEqual(self.put_send("unsigned", unsigned)[0], 401)
         for i, (name, body, errcode) in enumerate(cases):
-            request = urllib.request.Request(url + f"bad{i}", data=body, method="PUT",
-                                             headers={"Content-Type": "application/json"})
-            with self.assertRaises(urllib.error.HTTPError, msg=name) as cm:
-                urllib.request.urlopen(request, timeout=30)
-            self.assertEqual(cm.exception.code, 400, name)
-            error = json.loads(cm.exception.read())
+            try:
+                json.loads(body)
+            except ValueError:
+                key = None  # not JSON: nothing to sign, refused before the signature check
+            else:
+                key = b_key
+            code, error = self.put_send(f"bad{i}", body, key)
+            self.assertEqual(code, 400, name)
             self.assertEqual(error["errcode"], errcode, name)
             self.assertIsInstance(error["error"], str, name)
+        # evil.test is not an allowed origin: 403 before any key of it is fetched.
+        evil = json.dumps({"origin": "evil.test", "origin_server_ts": 1, "pdus": [pdu]}).encode()
+        self.assertEqual(self.put_send("evil", evil, generate_signing_key("x"), origin="evil.test")[0], 403)
         # Between the listener's general limit (1 MiB) and federation.max_body_bytes (2 MiB): accepted.
         padded = b'{"origin": "b.test", "origin_server_ts": 1, "pdus": []' + b" " * 1_500_000 + b"}"
-        request = urllib.request.Request(url + "big-but-allowed", data=padded, method="PUT",
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=30) as response:
-            self.assertEqual((response.status, json.loads(response.read())), (200, {"pdus": {}}))
+        self.assertEqual(self.put_send("big-but-allowed", padded, b_key), (200, {"pdus": {}}))
         self.assertEqual(messages(self.a.cluster), [])
         alice = yield ensureDeferred(Client(self.a.url, self.pool).register("alice"))
         room = yield ensureDeferred(alice.create_room())

@@ -9,6 +9,7 @@ works under the rules; a PDU that breaks them is refused and changes nothing.
 from __future__ import annotations
 
 import json
+import os
 import urllib.error
 import urllib.request
 from typing import Any
@@ -16,6 +17,8 @@ from typing import Any
 from twisted.internet.defer import ensureDeferred, inlineCallbacks
 from twisted.trial.unittest import TestCase
 
+from synflow.federation.keys import load_or_create_signing_key
+from synflow.federation.signing import auth_header
 from synflow.tools.client import ApiError, Client, new_pool
 from tests.cluster import free_port, sleep, wait_until
 from tests.integration.test_federation import Side, messages
@@ -24,10 +27,12 @@ FEDERATION = {"wakeup_interval_s": 1.0, "request_timeout_s": 5.0,
               "backoff": {"initial_s": 0.2, "multiplier": 2.0, "max_s": 4.0, "jitter": 0.1}}
 
 
-def _put(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    """PUT JSON; the status and the JSON answer, whatever the status."""
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="PUT",
-                                     headers={"Content-Type": "application/json"})
+def _put(url: str, body: dict[str, Any], authorization: bytes | None = None) -> tuple[int, dict[str, Any]]:
+    """PUT JSON (with an ``Authorization`` header if given); the status and the JSON answer, whatever the status."""
+    headers = {"Content-Type": "application/json"}
+    if authorization is not None:
+        headers["Authorization"] = authorization.decode()
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="PUT", headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             return response.status, json.loads(response.read())
@@ -111,14 +116,18 @@ class FederationRulesTest(TestCase):
             pdu(5, bob.user_id, "m.room.message", {"body": "new room"}, room_id="!made-up:b.test"),  # unknown room
             pdu(6, bob.user_id, "m.room.message", {"n": 2**60}),  # out of range
         ]
-        url = f"http://127.0.0.1:{self.a.fed_port}/_matrix/federation/v1/send/forged1"
-        code, reply = _put(url, {"origin": "b.test", "origin_server_ts": 1, "pdus": forged})
-        # Refused either way: per PDU by the rules, or whole if the request's origin must be proven.
-        self.assertIn(code, (200, 401), reply)
-        if code == 200:
-            self.assertEqual(set(reply["pdus"]), {p["event_id"] for p in forged})
-            for p in forged:
-                self.assertIn("error", reply["pdus"][p["event_id"]], p)
+        path = "/_matrix/federation/v1/send/forged1"
+        url = f"http://127.0.0.1:{self.a.fed_port}{path}"
+        transaction = {"origin": "b.test", "origin_server_ts": 1, "pdus": forged}
+        # Unsigned, the transaction is refused whole: its origin is not proven.
+        self.assertEqual(_put(url, transaction)[0], 401)
+        # Signed with b.test's own key (b.test itself misbehaving), it reaches the rules: each PDU is refused.
+        b_key = load_or_create_signing_key(os.path.join(self.b.cluster.shared["data_dir"], "signing.key"))
+        code, reply = _put(url, transaction, auth_header("b.test", "a.test", b_key, "PUT", path, transaction))
+        self.assertEqual(code, 200, reply)
+        self.assertEqual(set(reply["pdus"]), {p["event_id"] for p in forged})
+        for p in forged:
+            self.assertIn("error", reply["pdus"][p["event_id"]], p)
         self.assertEqual(await members_on_a(), sorted([alice.user_id, bob.user_id]))
         self.assertEqual(len(messages(self.a.cluster)), 10)
         self.assertEqual(self.a.cluster.query("SELECT event_id FROM events WHERE event_id LIKE '$forged%'"), [])

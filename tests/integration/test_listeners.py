@@ -77,7 +77,7 @@ class DefaultListenersTest(SynchronousTestCase):
         self.assertEqual((code, json.loads(content)), (404, NOT_FOUND), f"{method} {path} on port {port}")
 
     def test_each_listener_serves_what_it_lists(self):
-        """The client listener answers 404 for /metrics, /health and /send; the federation listener serves /send and not the client API; metrics, health and RPC stay on their listeners."""
+        """The client listener answers 404 for /metrics, /health, /send and the key; the federation listener serves /send and the key and not the client API; metrics, health and RPC stay on their listeners."""
         client, federation = self.ports[CLIENT_PORT], self.ports[FEDERATION_PORT]
         transaction = {"origin": PEER, "origin_server_ts": 1, "pdus": [], "edus": []}
         send = "/_matrix/federation/v1/send/t1"
@@ -91,9 +91,14 @@ class DefaultListenersTest(SynchronousTestCase):
         self.assertNotServed(client, "PUT", send, transaction)
         self.assertNotServed(client, "POST", "/_synflow/internal/queue_edus/t1", {"args": {"edus": []}})
 
-        # The federation listener: /send, and not the client API, metrics or health.
+        self.assertNotServed(client, "GET", "/_matrix/key/v2/server")
+
+        # The federation listener: /send (behind the signature check: unsigned is 401) and the server's key,
+        # and not the client API, metrics or health.
         code, content = request(federation, "PUT", send, transaction)
-        self.assertEqual((code, json.loads(content)), (200, {"pdus": {}}))
+        self.assertEqual((code, json.loads(content)["errcode"]), (401, "M_UNAUTHORIZED"))
+        code, content = request(federation, "GET", "/_matrix/key/v2/server")
+        self.assertEqual((code, json.loads(content)["server_name"]), (200, "localhost"))
         self.assertNotServed(federation, "GET", f"/_synflow/client/v1/sync?access_token={token}")
         self.assertNotServed(federation, "POST", "/_synflow/client/v1/register", {"username": "bob"})
         self.assertNotServed(federation, "GET", "/metrics")
