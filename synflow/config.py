@@ -29,6 +29,7 @@ import yaml
 
 from synflow.endpoints import endpoint_problem, tcp_address
 from synflow.errors import ConfigError
+from synflow.shared_secret import DEFAULT_SECRET_NAME, is_loopback, load_or_create_secret
 
 T = TypeVar("T")
 
@@ -97,6 +98,10 @@ class ReplicationConfig:
     redis: RedisConfig = RedisConfig()
     secret: str | None = attrs.field(default=None, repr=False)
     secret_file: str | None = None
+    #: The deployment's generated secret; None: ``<data_dir>/replication.secret``.
+    secret_path: str | None = None
+    #: No secret at all (Synapse's plain protocol); only on loopback addresses.
+    allow_unauthenticated: bool = False
     ping_interval_s: float = 5.0
     ping_timeout_s: float = 15.0
     high_water: int = 10_000
@@ -211,6 +216,8 @@ class LoggingConfig:
 
 #: Every resource a listener may name (what each serves: synflow/listeners.py).
 RESOURCES = ("client", "federation", "metrics", "health", "replication", "rpc")
+#: The resources that are internal channels (need the secret off loopback).
+INTERNAL_CHANNELS: frozenset[str] = frozenset({"replication", "rpc"})
 #: The largest ``federation.catch_up_max_events`` accepted.
 MAX_CATCH_UP_MAX_EVENTS = 1_000_000
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -261,8 +268,30 @@ class SynflowConfig:
         return list(self.stream_writers.get("events", ["master"]))
 
     def replication_secret(self) -> str | None:
-        """The shared replication secret, from the config or its file."""
-        return _secret(self.replication.secret, self.replication.secret_file)
+        """The shared secret of the internal channels (the hub's AUTH, RPC's bearer token).
+
+        ``replication.secret``, else ``replication.secret_file``, else -- unless
+        ``replication.allow_unauthenticated`` -- the file at
+        :attr:`replication_secret_path`, created with a random secret if it is
+        missing (see :mod:`synflow.shared_secret`).
+
+        Raises:
+            ConfigError: the secret file cannot be created or read, or is not private.
+        """
+        r = self.replication
+        if r.secret is not None or r.secret_file is not None:
+            return _secret(r.secret, r.secret_file)
+        if r.allow_unauthenticated:
+            return None
+        try:
+            return load_or_create_secret(self.replication_secret_path)
+        except ConfigError as e:
+            raise ConfigError(e.reason, path=self.origin("replication.secret_path"), key=e.key) from None
+
+    @property
+    def replication_secret_path(self) -> str:
+        """The generated secret's file: ``replication.secret_path``, else ``<data_dir>/replication.secret``."""
+        return self.replication.secret_path or os.path.join(self.data_dir, DEFAULT_SECRET_NAME)
 
     def listener(self, kind: str) -> Listener | None:
         """This process's configured listener serving ``kind``, if any.
@@ -549,6 +578,7 @@ def validate(config: SynflowConfig, origins: Mapping[str, str]) -> None:
     if config.instance_name not in config.instance_map and config.app != "master":
         raise config_error(origins, "instance_map", f"this process ({config.instance_name!r}) is missing from instance_map")
     _check_ports(config, origins)
+    _check_exposure(config, origins)
     _check_secret_file(origins, "replication.secret_file", config.replication.secret_file)
     _check_secret_file(origins, "replication.redis.password_file", config.replication.redis.password_file)
     if config.caches.tier is not None:
@@ -661,6 +691,37 @@ def _check_federation_trust(federation: FederationConfig, origins: Mapping[str, 
         except ValueError:
             raise config_error(origins, f"federation.ip_range_blacklist[{i}]",
                                f"{entry!r} is not an IP range (CIDR, e.g. 10.0.0.0/8)") from None
+
+
+def _check_exposure(config: SynflowConfig, origins: Mapping[str, str]) -> None:
+    """Without a secret, the internal channels may only be on loopback addresses."""
+    r = config.replication
+    if r.secret is not None and not r.secret.strip():
+        raise config_error(origins, "replication.secret", "must not be empty")
+    if not r.allow_unauthenticated or r.secret is not None or r.secret_file is not None:
+        return
+    exposed: list[tuple[str, str]] = []
+    own = config.instance_map.get(config.instance_name)
+    if own is not None:
+        exposed.append((f"instance_map.{config.instance_name}.host", own.host))
+    if r.transport is Transport.TCP:
+        exposed.append(("replication.hub.host", r.hub.host))
+    for i, listener in enumerate(config.listeners):
+        if INTERNAL_CHANNELS & set(listener.resources):
+            kind = listener.endpoint.split(":", 1)[0]
+            address = tcp_address(listener.endpoint)
+            if address is not None:
+                exposed.append((f"listeners[{i}].endpoint", address[0]))
+            elif kind != "unix":  # a unix socket is reached only through the file system
+                exposed.append((f"listeners[{i}].endpoint", listener.endpoint))
+    for key, host in exposed:
+        if not is_loopback(host):
+            raise config_error(
+                origins, key,
+                f"{host!r} is not a loopback address and replication.allow_unauthenticated leaves the internal "
+                "channels without a secret; remove allow_unauthenticated (a secret is then created under "
+                "data_dir) or set replication.secret_file",
+            )
 
 
 def _check_secret_file(origins: Mapping[str, str], key: str, path: str | None) -> None:

@@ -64,6 +64,7 @@ class ConfigTest(_ConfigFiles):
 
     def test_default_deployment_loads(self):
         """Every process file in workers/ loads with shared.yaml, alone and with the production overlay."""
+        run_from_operator_directory(self)
         names = [n for n in os.listdir(WORKERS) if n not in ("shared.yaml", "production.yaml")]
         self.assertEqual(len(names), 5)
         for name in names:
@@ -223,6 +224,23 @@ class ConfigTest(_ConfigFiles):
         self.assertEqual((federation.trusted_keys, federation.ip_range_blacklist), ({}, None))
 
 
+def run_from_operator_directory(testcase: SynchronousTestCase) -> str:
+    """Work in a fresh directory holding ``var/redis.password`` (0600), as an operator runs production.yaml from.
+
+    The overlay's ``password_file`` is relative to the working directory, like
+    ``data_dir``. Returns the directory; the old working directory comes back
+    after the test.
+    """
+    directory = os.path.abspath(testcase.mktemp())
+    os.makedirs(os.path.join(directory, "var"))
+    fd = os.open(os.path.join(directory, "var", "redis.password"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write("a-redis-password\n")
+    testcase.addCleanup(os.chdir, os.getcwd())
+    os.chdir(directory)
+    return directory
+
+
 def _workers_config(name: str, *extra: str, overrides: dict | None = None):
     files = [os.path.join(WORKERS, "shared.yaml"), os.path.join(WORKERS, f"{name}.yaml"), *extra]
     return load_config(files, overrides)
@@ -265,8 +283,10 @@ class DefaultDeploymentTest(SynchronousTestCase):
         self.assertEqual(master.caches.cache_invalidator_instances, ["cache_invalidator1"])
 
     def test_production_overlay(self):
-        """workers/production.yaml switches every process to PostgreSQL, Redis replication and the Redis cache tier."""
+        """workers/production.yaml switches every process to PostgreSQL, Redis replication and the Redis cache tier,
+        both Redis connections with the password in var/redis.password."""
         overlay = os.path.join(WORKERS, "production.yaml")
+        run_from_operator_directory(self)
         for name in self.PROCESSES:
             config = _workers_config(name, overlay)
             self.assertEqual(config.database.engine, "postgres")
@@ -274,6 +294,19 @@ class DefaultDeploymentTest(SynchronousTestCase):
             self.assertEqual((config.replication.redis.host, config.replication.redis.port), ("127.0.0.1", 6379))
             self.assertIsNotNone(config.caches.tier)
             self.assertEqual(config.files[-1], overlay)
+            self.assertEqual(config.replication.redis.password_file, "var/redis.password")
+            self.assertEqual(config.caches.tier.password_file, "var/redis.password")
+
+    def test_production_overlay_needs_the_redis_password(self):
+        """Without var/redis.password the production overlay is a config error naming the key and the file."""
+        directory = os.path.abspath(self.mktemp())
+        os.makedirs(directory)
+        self.addCleanup(os.chdir, os.getcwd())
+        os.chdir(directory)
+        with self.assertRaises(ConfigError) as cm:
+            _workers_config("master", os.path.join(WORKERS, "production.yaml"))
+        self.assertEqual(cm.exception.key, "replication.redis.password_file")
+        self.assertIn("cannot read secret file 'var/redis.password'", str(cm.exception))
 
     def test_paths_under_data_dir(self):
         """Database, audit logs, log files and pidfiles all default to places under data_dir, wherever it is."""

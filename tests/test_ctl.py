@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -19,6 +20,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from synflow.errors import ConfigError
 from synflow.tools import ctl
 from tests.cluster import free_port
+from tests.test_config import run_from_operator_directory
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 WORKERS = os.path.join(ROOT, "workers")
@@ -107,6 +109,7 @@ class DiscoverTest(SynchronousTestCase):
         """Each --config file ends every process's list, so the production overlay switches all of them to PostgreSQL and Redis."""
         directory = copy_workers(self)
         overlay = os.path.join(WORKERS, "production.yaml")
+        run_from_operator_directory(self)  # holds var/redis.password, which the overlay names
         procs = ctl.discover(directory, [overlay])
         self.assertEqual(len(procs), 5)
         for proc in procs:
@@ -191,6 +194,12 @@ def _exists(pid: int) -> bool:
     return True
 
 
+def _reap(child: subprocess.Popen) -> None:
+    """Kill a child process of the test and wait for it."""
+    child.kill()
+    child.wait(10)
+
+
 def _environ() -> dict[str, str]:
     return dict(os.environ, SYNFLOW_VENV=sys.prefix)
 
@@ -223,6 +232,9 @@ class ScriptTest(SynchronousTestCase):
         directory = copy_workers(self)
         parent = os.path.dirname(directory)
         shutil.copy(os.path.join(WORKERS, "production.yaml"), os.path.join(parent, "overlay.yaml"))
+        os.makedirs(os.path.join(parent, "var"), exist_ok=True)
+        with open(os.path.join(parent, "var", "redis.password"), "w") as f:
+            f.write("a-redis-password\n")
         result = self.run_ctl("status", os.path.basename(directory), "--config", "overlay.yaml", cwd=parent)
         self.assertEqual(result.returncode, 3, result.stdout + result.stderr)  # 3: not every process is healthy
         lines = result.stdout.splitlines()
@@ -254,10 +266,10 @@ class StatusStopRestartTest(SynchronousTestCase):
             self.addCleanup(FakeHealth(port, positions).close)
 
     def run_sleepers(self) -> dict[str, subprocess.Popen]:
-        """One child process per process of the deployment, its pid in the pidfile."""
+        """One child process per process of the deployment, its pid in the pidfile, marked as synflowctl marks it."""
         children = {}
         for proc in self.procs:
-            child = subprocess.Popen(["sleep", "120"])
+            child = subprocess.Popen(["sleep", "120"], env=dict(os.environ, **{ctl.PIDFILE_ENV: proc.pid_file}))
             self.sleepers.append(child.pid)
             children[proc.name] = child
             os.makedirs(os.path.dirname(proc.pid_file), exist_ok=True)
@@ -301,6 +313,91 @@ class StatusStopRestartTest(SynchronousTestCase):
         for proc in self.procs:
             self.assertFalse(_exists(children[proc.name].pid), proc.name)  # stop waited for it (and reaped it)
             self.assertFalse(os.path.exists(proc.pid_file))
+
+    def stranger(self, proc: ctl.Proc) -> subprocess.Popen:
+        """An unrelated live process (a ``sleep``, unmarked) whose PID sits in ``proc``'s pidfile, as after PID reuse."""
+        child = subprocess.Popen(["sleep", "120"])
+        self.addCleanup(_reap, child)
+        os.makedirs(os.path.dirname(proc.pid_file), exist_ok=True)
+        with open(proc.pid_file, "w") as f:
+            f.write(f"{child.pid}\n")
+        return child
+
+    def test_stop_leaves_an_unrelated_process_alone(self):
+        """``synflowctl stop`` does not signal a live process that is not the deployment's: it reports the stale
+        pidfile and removes it; status shows the instance stopped."""
+        strangers = {proc.name: self.stranger(proc) for proc in self.procs}
+        for proc in self.procs:
+            self.assertIsNone(ctl.pid_of(proc))
+            self.assertEqual(ctl.stale_pid(proc), strangers[proc.name].pid)
+        result = subprocess.run([sys.executable, "-m", "synflow.tools.ctl", "stop", self.directory],
+                                capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
+        self.assertEqual(result.returncode, 0, result.stderr)
+        for proc in self.procs:
+            child = strangers[proc.name]
+            self.assertIsNone(child.poll(), f"stop signalled the unrelated pid {child.pid}")
+            self.assertIn(f"stale pidfile: pid {child.pid} is not this deployment's {proc.name} (not signalled)",
+                          result.stdout)
+            self.assertFalse(os.path.exists(proc.pid_file))
+        out = io.StringIO()
+        self.assertEqual(ctl.status(self.procs, out), 3)
+        for line in out.getvalue().splitlines()[1:]:
+            self.assertEqual(line.split()[2:4], ["-", "stopped"])
+
+    def test_process_started_by_hand_is_recognised(self):
+        """A process whose command line is ``twistd --pidfile <its pidfile> ... synflow`` counts as the deployment's,
+        marked or not; the same command line with another pidfile does not."""
+        proc = self.procs[0]
+        script = "import time; time.sleep(120)"
+        ours = subprocess.Popen([sys.executable, "-c", script, "--pidfile", proc.pid_file, "synflow"])
+        other = subprocess.Popen([sys.executable, "-c", script, "--pidfile", proc.pid_file + ".other", "synflow"])
+        for child in (ours, other):
+            self.addCleanup(_reap, child)
+        os.makedirs(os.path.dirname(proc.pid_file), exist_ok=True)
+        with open(proc.pid_file, "w") as f:
+            f.write(f"{ours.pid}\n")
+        self.assertEqual(ctl.pid_of(proc), ours.pid)
+        with open(proc.pid_file, "w") as f:
+            f.write(f"{other.pid}\n")
+        self.assertIsNone(ctl.pid_of(proc))
+        self.assertEqual(ctl.stale_pid(proc), other.pid)
+
+    def test_start_replaces_a_stale_pidfile(self):
+        """start treats a pidfile naming an unrelated process as stale: it starts the instance, leaving that process be,
+        and creates the deployment's secret (0600) first."""
+        strangers = {proc.name: self.stranger(proc) for proc in self.procs}
+        self.serve_health({"events": {"p1": 1, "p2": 1}})
+        fake = self.fake_twistd()
+        self.patch(ctl, "twistd", lambda: fake)
+        out = io.StringIO()
+        self.assertEqual(ctl.start(self.procs, out), 0, out.getvalue())
+        for proc in self.procs:
+            self.assertIsNone(strangers[proc.name].poll())
+            self.assertIn(f"stale pidfile: pid {strangers[proc.name].pid}", out.getvalue())
+            new = ctl.pid_of(proc)
+            self.assertIsNotNone(new)
+            self.sleepers.append(new)
+            self.assertNotEqual(new, strangers[proc.name].pid)
+        secret = self.procs[0].config.replication_secret_path
+        self.assertEqual(stat.S_IMODE(os.stat(secret).st_mode), 0o600)
+
+    def fake_twistd(self) -> str:
+        """A stand-in for twistd: records its arguments, leaves a detached ``sleep`` behind in the pidfile, exits 0."""
+        fake = os.path.abspath(self.mktemp()) + "-twistd"
+        with open(fake, "w") as f:
+            f.write(f"#!{sys.executable}\n" + textwrap.dedent("""\
+                import subprocess, sys
+                args = sys.argv[1:]
+                pidfile, logfile = args[args.index("--pidfile") + 1], args[args.index("--logfile") + 1]
+                child = subprocess.Popen(["sleep", "120"], start_new_session=True, stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                with open(pidfile, "w") as f:
+                    f.write(str(child.pid))
+                with open(logfile, "a") as f:
+                    f.write(" ".join(args) + "\\n")
+            """))
+        os.chmod(fake, 0o755)
+        return fake
 
     def test_restart(self):
         """restart stops every running process in reverse order, then starts each through twistd (master first) until healthy."""

@@ -275,7 +275,8 @@ class GracefulStopTest(TestCase):
         from twisted.internet.endpoints import connectProtocol
 
         yield connectProtocol(endpoint, collector)
-        collector.transport.write(b"NAME fake_worker\n")
+        secret = master.config.replication_secret()
+        collector.transport.write(b"AUTH " + secret.encode() + b"\nNAME fake_worker\n")
         first = yield collector.wait_lines(1)
         self.assertTrue(first[0].startswith("SERVER "), first)
         yield wait_until(lambda: master.replication.hub.connections, 10, "the hub to register the connection")

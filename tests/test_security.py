@@ -60,7 +60,7 @@ class LoopbackDefaultsTest(SynchronousTestCase):
         self.assertEqual(config.replication.hub.server_endpoint(), f"tcp:9092:{LOOPBACK}")
         for name, address in config.instance_map.items():
             self.assertEqual(address.server_endpoint(), f"tcp:{address.port}:{LOOPBACK}", name)
-        self.assertIsNone(config.replication_secret())  # off by default: Synapse's plain protocol
+        self.assertFalse(config.replication.allow_unauthenticated)
 
     def test_shipped_deployment_is_loopback(self) -> None:
         """Every address and listener in the shipped ``workers/`` deployment is on loopback."""

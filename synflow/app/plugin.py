@@ -59,6 +59,7 @@ def makeService(options: Options) -> IService:
         if options["check-config"]:
             print(f"config OK: {config.app} {config.instance_name!r} of {config.server_name!r}")
             sys.exit(0)
+        config.replication_secret()  # created now if missing: a bad secret file is a config error
         setup_logging(config)
         twistd = getattr(options, "parent", None) or {}
         observer = make_observer(config, twistd.get("logfile"), bool(twistd.get("nodaemon")))

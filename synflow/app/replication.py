@@ -24,12 +24,14 @@ from synflow.config import SynflowConfig, Transport
 from synflow.listeners import hub_endpoint
 from synflow.replication import metrics as replication_metrics
 from synflow.replication.client import ReplicationClientService
+from synflow.replication.guard import PositionGuard
 from synflow.replication.handler import ReplicationHandler
 from synflow.replication.hub import ReplicationHub, ReplicationServerFactory
 from synflow.storage.engines import Database
 from synflow.storage.id_generators import (
     MultiWriterIdGenerator,
     StreamWriters,
+    last_allocated_txn,
     load_stream_state_txn,
     persist_position_txn,
     recover_audit,
@@ -120,6 +122,10 @@ async def setup_replication(
     def persist(stream: str, position: int) -> Deferred[Any]:
         return db.run_interaction("persist_position", persist_position_txn, stream, me, position, idempotent=True)
 
+    def fetch_allocated(stream: str) -> Deferred[int]:
+        return db.run_interaction(f"stream_allocated_{stream}", last_allocated_txn, STREAMS[stream],
+                                  read_only=True, idempotent=True)
+
     handler = ReplicationHandler(
         me,
         reactor,
@@ -130,6 +136,7 @@ async def setup_replication(
         audit=audit,
         tick_interval_s=config.replication.idle_announce_interval_s,
         persist=persist,
+        guard=PositionGuard(fetch_allocated, allocated, reactor),
     )
     service = MultiService()
     repl = Replication(handler, StreamWriters(db, generators), service, allocated_at_start=allocated)

@@ -297,8 +297,9 @@ class RemoteServerUpCommand:
 class AuthCommand:
     """``AUTH <secret>`` -- the first line of a client when the hub requires a secret.
 
-    Only used when ``replication.secret`` is set (plain TCP without it stays
-    Synapse-compatible). The secret never appears in logs or reprs.
+    Every deployment has a secret unless ``replication.allow_unauthenticated``
+    is set (then plain TCP stays Synapse-compatible). The secret never appears
+    in logs or reprs.
 
     Example: ``AUTH s3cret``
     """

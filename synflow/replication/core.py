@@ -64,6 +64,8 @@ HARD_LIMIT_COMMANDS: Final = 20_000
 HIGH_WATER_BYTES: Final = 8 * 1024 * 1024
 #: Queued bytes past which the connection is closed.
 HARD_LIMIT_BYTES: Final = 32 * 1024 * 1024
+#: A hub with a secret closes a connection that has not sent AUTH by then (seconds).
+AUTH_TIMEOUT_S: Final = 10.0
 
 KEEP_UP_ERROR: Final = "Failed to keep up"
 WRONG_REMOTE_ERROR: Final = "Wrong remote"
@@ -106,7 +108,12 @@ class HandshakeDone:
     peer_name: str
 
 
-Action: TypeAlias = SendLine | Deliver | Close | HandshakeDone
+@attrs.frozen
+class Authenticated:
+    """The peer proved it holds the secret: only now may it see and send the streams."""
+
+
+Action: TypeAlias = SendLine | Deliver | Close | HandshakeDone | Authenticated
 
 
 @attrs.define
@@ -163,6 +170,10 @@ class ConnectionCore:
         high_water: queued commands past which rows fold into placeholders.
         hard_limit: queued commands past which the connection closes.
         high_water_bytes / hard_limit_bytes: the same bounds in bytes.
+        secret: on the server, the secret a client's first line must carry
+            (``AUTH <secret>``); on a client, the secret it sends first.
+        auth_timeout_s: a server with a secret closes a connection that has
+            not authenticated within this long.
     """
 
     def __init__(
@@ -178,6 +189,7 @@ class ConnectionCore:
         high_water_bytes: int = HIGH_WATER_BYTES,
         hard_limit_bytes: int = HARD_LIMIT_BYTES,
         secret: str | None = None,
+        auth_timeout_s: float = AUTH_TIMEOUT_S,
     ) -> None:
         if side not in (Side.SERVER, Side.CLIENT, Side.BOTH):
             raise ValueError("a connection core is the SERVER, the CLIENT, or BOTH (a pub/sub bus)")
@@ -198,7 +210,11 @@ class ConnectionCore:
         self.hard_limit_bytes = hard_limit_bytes
 
         self.secret = secret
+        self.auth_timeout_s = auth_timeout_s
+        #: Until a server with a secret sees the right AUTH, the peer gets no
+        #: stream traffic and nothing it sends but AUTH is accepted.
         self.authenticated = side is not Side.SERVER or secret is None
+        self.connected_at = 0.0
         self.state = State.CONNECTING
         self.peer_name: str | None = None
         self.handshake_complete = False
@@ -234,6 +250,7 @@ class ConnectionCore:
         """The transport connected: the opening lines of the handshake."""
         self.state = State.ESTABLISHED
         self.last_received = now
+        self.connected_at = now
         actions: list[Action] = []
         if self.side is Side.BOTH:
             return actions  # a bus: the transport does its own handshake
@@ -300,7 +317,7 @@ class ConnectionCore:
                 logger.warning("closing %s: wrong replication secret", self._describe())
                 return self.close("authentication failed", now)
             self.authenticated = True
-            return []
+            return [Authenticated()]
         if isinstance(cmd, AuthCommand):
             return []  # a hub without a secret ignores AUTH
         counts = self.stats.commands_in
@@ -426,6 +443,9 @@ class ConnectionCore:
         """Time passed: keep-alive PING and ping-timeout decisions."""
         if self.state is State.CLOSED:
             return []
+        if not self.authenticated and now - self.connected_at >= self.auth_timeout_s:
+            logger.warning("closing %s: no AUTH within %.0fs", self._describe(), self.auth_timeout_s)
+            return self.close("authentication timeout", now)
         if (
             self.received_ping
             and self.ping_timeout_s is not None
@@ -460,6 +480,7 @@ __all__ = [
     "PING_INTERVAL_S",
     "PING_TIMEOUT_S",
     "Action",
+    "Authenticated",
     "Close",
     "ConnectionCore",
     "Deliver",

@@ -20,6 +20,11 @@ time, so a catch-up never races later rows:
   handlers (cache invalidation), the position advance, the position listeners
   (notifiers), and the waiters of :meth:`wait_for_position`.
 * A stream name this process does not know is logged once and ignored.
+* Before anything of a ``POSITION`` or a numeric ``RDATA`` is applied, the
+  position it claims for its writer is checked against the stream's sequence
+  (:class:`~synflow.replication.guard.PositionGuard`): a claim no handed-out
+  ID reaches is refused, logged and counted (``positions_refused``), not
+  applied.
 
 Writing. When local facts become visible (the ID generator reports them in
 ID order) the handler applies them locally, sends one ``RDATA`` per row (all
@@ -56,6 +61,7 @@ from synflow.replication.commands import (
     ServerCommand,
     UserSyncCommand,
 )
+from synflow.replication.guard import PositionGuard
 from synflow.storage.id_generators import FactPayload, MultiWriterIdGenerator
 from synflow.streams import StreamDef, Writers
 from synflow.streams.tracker import Completed
@@ -108,6 +114,7 @@ class HandlerStats:
         self.catch_ups = 0
         self.rows_caught_up = 0
         self.unknown_stream_commands = 0
+        self.positions_refused = 0
 
 
 class ReplicationHandler:
@@ -124,6 +131,8 @@ class ReplicationHandler:
         tick_interval_s: how often idle writers leap and positions persist.
         persist: called as ``persist(stream, position)`` (returning a
             Deferred) to store this writer's position; None to skip.
+        guard: checks every position another writer claims against the
+            stream's sequence before it is applied; None to trust them all.
     """
 
     def __init__(
@@ -138,6 +147,7 @@ class ReplicationHandler:
         audit: AuditLog | None = None,
         tick_interval_s: float = 1.0,
         persist: Callable[[str, int], Deferred[Any]] | None = None,
+        guard: PositionGuard | None = None,
     ) -> None:
         self.instance_name = instance_name
         self.clock = clock
@@ -146,6 +156,7 @@ class ReplicationHandler:
         self.audit = audit
         self.tick_interval_s = tick_interval_s
         self.persist = persist
+        self.guard = guard
         self.transport: Transport | None = None
         self.stats = HandlerStats()
         initial = initial_positions or {}
@@ -322,24 +333,52 @@ class ReplicationHandler:
         view.busy = True
         while view.queue:
             conn, cmd = view.queue.popleft()
+            d: Deferred[Any] | None
             try:
-                if isinstance(cmd, RdataCommand):
-                    self._process_rdata(view, conn, cmd)
+                verdict = self._check_claim(view, cmd)
+                if verdict is False:
+                    self._refused(view, cmd)
                     continue
-                d = self._process_position(view, conn, cmd)
+                if verdict is True:
+                    d = self._process(view, conn, cmd)
+                else:
+                    d = verdict.addCallback(self._process_if_allowed, view, conn, cmd)
             except Exception:
                 logger.exception("error processing %s on %s", cmd.NAME, view.stream.name)
                 continue
             if d is not None:
-                d.addErrback(self._catch_up_failed, view, cmd)
+                d.addErrback(self._processing_failed, view, cmd)
                 d.addCallback(lambda _: self._drain(view))
                 return
         view.busy = False
 
-    def _catch_up_failed(self, failure: Any, view: _StreamView, cmd: PositionCommand) -> None:
+    def _check_claim(self, view: _StreamView, cmd: RdataCommand | PositionCommand) -> bool | Deferred[bool]:
+        """Whether the position ``cmd`` claims for its writer is one the stream's sequence handed out."""
+        return True if self.guard is None else self.guard.check_command(cmd)
+
+    def _process(self, view: _StreamView, conn: Connection, cmd: RdataCommand | PositionCommand) -> Deferred[None] | None:
+        if isinstance(cmd, RdataCommand):
+            self._process_rdata(view, conn, cmd)
+            return None
+        return self._process_position(view, conn, cmd)
+
+    def _process_if_allowed(
+        self, allowed: bool, view: _StreamView, conn: Connection, cmd: RdataCommand | PositionCommand
+    ) -> Deferred[None] | None:
+        if allowed:
+            return self._process(view, conn, cmd)
+        self._refused(view, cmd)
+        return None
+
+    def _refused(self, view: _StreamView, cmd: RdataCommand | PositionCommand) -> None:
+        """A claim beyond the stream's sequence: nothing of it is applied (the guard logged it)."""
+        self.stats.positions_refused += 1
+        view.pending_batches.pop(cmd.instance_name, None)
+
+    def _processing_failed(self, failure: Any, view: _StreamView, cmd: RdataCommand | PositionCommand) -> None:
         logger.error(
-            "catch-up of %s from %s failed: %s; will retry on its next POSITION",
-            view.stream.name, cmd.instance_name, failure.getErrorMessage(),
+            "processing %s of %s from %s failed: %s; will retry on its next POSITION",
+            cmd.NAME, view.stream.name, cmd.instance_name, failure.getErrorMessage(),
         )
 
     def _process_rdata(self, view: _StreamView, conn: Connection, cmd: RdataCommand) -> None:
@@ -448,6 +487,8 @@ class ReplicationHandler:
     def _announce_local(self, stream: str, visible: list[Completed[FactPayload]], position: int) -> None:
         view = self.views[stream]
         me = self.instance_name
+        if self.guard is not None:
+            self.guard.note_allocated(stream, position)
         announced = self._announced.get(stream, 0)
         for fact in visible:
             if not fact.ok or fact.payload is None or not fact.payload.rows:

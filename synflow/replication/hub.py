@@ -8,6 +8,12 @@ different workers see each other exactly as they would over Redis.
 Connection-level commands (SERVER, NAME, PING, ERROR) are never relayed, and
 commands addressed to the master alone (USER_SYNC, CLEAR_USER_SYNC,
 FEDERATION_ACK) are handled by the master and not relayed.
+
+With a secret (every deployment has one by default), a connection joins the
+hub only after its ``AUTH``: before that nothing is relayed to it, and the
+only line it may send is ``AUTH`` (see ``core.py``). What an authenticated
+peer claims about stream positions is still checked, by every process's
+handler, against the database (``guard.py``).
 """
 
 from __future__ import annotations

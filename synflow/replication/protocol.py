@@ -9,7 +9,9 @@ congestion policy -- lives in the core; this file only moves bytes.
 
 A :class:`CommandReceiver` gets told about connections and the commands they
 deliver: the TCP hub (``hub.py``) on the master, the client service
-(``client.py``) on a worker.
+(``client.py``) on a worker. On a hub with a secret it hears of a connection
+only once the peer has authenticated, so an unauthenticated peer is never
+among those the streams are relayed to.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from zope.interface import implementer
 from synflow.replication.commands import MAX_LINE_LENGTH, AnyCommand, Side
 from synflow.replication.core import (
     Action,
+    Authenticated,
     Close,
     ConnectionCore,
     Deliver,
@@ -97,6 +100,10 @@ class ReplicationProtocol(LineOnlyReceiver):
         self._abort_call: IDelayedCall | None = None
         self._handshake_waiters: list[Deferred[ReplicationProtocol]] = []
         self._connected = False
+        #: Whether the receiver was told of this connection (on a hub with a
+        #: secret, only once the peer authenticated: before that it is not
+        #: among the connections that streams are relayed to).
+        self._announced = False
 
     # -- what the handler uses ---------------------------------------------------
 
@@ -149,7 +156,8 @@ class ReplicationProtocol(LineOnlyReceiver):
         self._schedule_tick()
         actions = self.core.connection_made(self.clock.seconds())
         self._run(actions)
-        self.receiver.connection_made(self)
+        if self.core.authenticated:
+            self._announce()
 
     def lineReceived(self, line: bytes) -> None:
         self._run(self.core.line_received(line, self.clock.seconds()))
@@ -170,7 +178,8 @@ class ReplicationProtocol(LineOnlyReceiver):
         waiters, self._handshake_waiters = self._handshake_waiters, []
         for d in waiters:
             d.errback(Failure(ConnectionLost("replication connection closed before the handshake")))
-        self.receiver.connection_lost(self, reason)
+        if self._announced:
+            self.receiver.connection_lost(self, reason)
 
     # -- IPushProducer ----------------------------------------------------------------
 
@@ -195,6 +204,8 @@ class ReplicationProtocol(LineOnlyReceiver):
                 self.transport.write(action.data + b"\n")
             elif isinstance(action, Deliver):
                 self._deliver(action.command)
+            elif isinstance(action, Authenticated):
+                self._announce()
             elif isinstance(action, HandshakeDone):
                 waiters, self._handshake_waiters = self._handshake_waiters, []
                 for d in waiters:
@@ -203,6 +214,11 @@ class ReplicationProtocol(LineOnlyReceiver):
                 self.transport.loseConnection()
                 if self._abort_call is None:
                     self._abort_call = self.clock.callLater(self.close_timeout_s, self._abort)
+
+    def _announce(self) -> None:
+        if not self._announced:
+            self._announced = True
+            self.receiver.connection_made(self)
 
     def _deliver(self, cmd: AnyCommand) -> None:
         try:

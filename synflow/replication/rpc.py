@@ -9,8 +9,10 @@ caller in turn waits until it has seen the receiver's positions before it
 returns. So whatever the caller wrote is visible to the call, and whatever
 the call wrote is visible to the caller afterwards -- on any process.
 
-* When ``replication.secret`` is set, requests need ``Authorization: Bearer
-  <secret>`` (401 otherwise; compared in constant time).
+* With a secret (by default every deployment has one: see
+  :mod:`synflow.shared_secret`), requests need ``Authorization: Bearer
+  <secret>``: without it, or with another value, the answer is 401, the
+  connection is closed after it, and nothing runs (compared in constant time).
 * The ``txn_id`` makes retries idempotent: the receiver keeps each response
   for :data:`RESPONSE_CACHE_S` and replays it (or waits for the first
   attempt still running) instead of running the call again.
@@ -120,6 +122,7 @@ class RpcServer(JsonResource):
             if token is None or not hmac.compare_digest(token.encode(), self.secret.encode()):
                 # The name comes from the request: only registered names become labels.
                 RPC_SERVED.labels(name=name if name in self.methods else "other", outcome="unauthorized").inc()
+                _close_after_response(request)
                 raise HttpApiError(401, "M_UNAUTHORIZED", "internal RPC requires the replication secret")
         method = self.methods.get(name)
         if method is None:
@@ -164,6 +167,14 @@ class RpcServer(JsonResource):
                          "positions": self.positions.own_positions()}
         RPC_SERVED.labels(name=name, outcome="ok").inc()
         return 200, {"result": result, "positions": self.positions.own_positions()}
+
+
+def _close_after_response(request: Request) -> None:
+    """Close the connection once this response is written (a caller without the secret gets no second try on it)."""
+    request.setHeader(b"Connection", b"close")
+    channel = getattr(request, "channel", None)
+    if channel is not None and hasattr(channel, "persistent"):
+        channel.persistent = False
 
 
 @implementer(IAgentEndpointFactory)

@@ -19,6 +19,15 @@ pidfile and logfile (``pid_file``/``log_file``, by default under
 waited for until its ``/health`` answers 200, and stopped in reverse order.
 Ports are checked across the processes too: two processes on one port is a
 configuration error naming the file and the key of the second.
+
+``start`` first makes sure the deployment's internal-channel secret exists
+(``replication.secret_path``, by default ``<data_dir>/replication.secret``,
+created 0600 with a random secret on first use). A pidfile is believed only
+if its PID is this deployment's process for that instance: its environment
+carries ``SYNFLOW_PIDFILE=<its pidfile>`` (set by ``start``) or its command
+line runs ``twistd ... --pidfile <its pidfile> ... synflow``. A live PID that
+is neither -- reused after a crash -- is reported as a stale pidfile, never
+signalled, and the pidfile removed.
 """
 
 from __future__ import annotations
@@ -52,6 +61,10 @@ from synflow.tools.prometheus import scrape_config
 
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
+#: The environment variable that marks a started process as one deployment's instance (its pidfile).
+PIDFILE_ENV = "SYNFLOW_PIDFILE"
+#: Most bytes read from ``/proc/<pid>/cmdline`` or ``environ``.
+MAX_PROC_BYTES = 1024 * 1024
 
 
 @attrs.frozen
@@ -163,19 +176,98 @@ def _check_ports(procs: list[Proc]) -> None:
             seen[port] = (proc.name, key, file)
 
 
-def pid_of(proc: Proc) -> int | None:
+def read_pidfile(proc: Proc) -> int | None:
+    """The PID in ``proc``'s pidfile, if it holds one."""
     try:
         with open(proc.pid_file, encoding="ascii") as f:
             pid = int(f.read().strip())
     except (OSError, ValueError):
         return None
+    return pid if pid > 0 else None
+
+
+def _alive_pid(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return None
+        return False
     except PermissionError:
-        pass
+        return True
+    return True
+
+
+def _proc_words(pid: int, name: str) -> list[str] | None:
+    """``/proc/<pid>/<name>`` split on NULs; None if it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/{name}", "rb") as f:
+            data = f.read(MAX_PROC_BYTES)
+    except OSError:
+        return None
+    return [w.decode("utf-8", "replace") for w in data.split(b"\0") if w]
+
+
+def _command_line(pid: int) -> list[str] | None:
+    """The process's arguments, from ``/proc`` or else ``ps`` (None if it cannot be told)."""
+    words = _proc_words(pid, "cmdline")
+    if words is not None or os.path.isdir("/proc/self"):
+        return words
+    try:
+        result = subprocess.run(["ps", "-o", "args=", "-p", str(pid)], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return result.stdout.split() if result.returncode == 0 else None
+
+
+def is_deployment_process(proc: Proc, pid: int) -> bool:
+    """Whether the live process ``pid`` is ``proc``'s synflow process, not a stranger that reused the PID.
+
+    It is if its environment carries the mark ``synflowctl start`` gives each
+    process (``SYNFLOW_PIDFILE=<its pidfile>``), or if its command line runs
+    ``twistd ... --pidfile <its pidfile> ... synflow`` (a process started by
+    hand, or before the mark existed). A process that cannot be inspected
+    (another user's) is not.
+    """
+    environ = _proc_words(pid, "environ")
+    if environ is not None and f"{PIDFILE_ENV}={proc.pid_file}" in environ:
+        return True
+    args = _command_line(pid)
+    if not args or "synflow" not in args:
+        return False
+    for i, arg in enumerate(args):
+        if arg == "--pidfile" and i + 1 < len(args) and os.path.abspath(args[i + 1]) == proc.pid_file:
+            return True
+        if arg.startswith("--pidfile=") and os.path.abspath(arg[len("--pidfile="):]) == proc.pid_file:
+            return True
+    return False
+
+
+def stale_pid(proc: Proc) -> int | None:
+    """A live PID in ``proc``'s pidfile that is not its process (PID reuse after a crash)."""
+    pid = read_pidfile(proc)
+    if pid is None or not _alive_pid(pid) or is_deployment_process(proc, pid):
+        return None
     return pid
+
+
+def pid_of(proc: Proc) -> int | None:
+    """The PID of ``proc``'s running process: its pidfile's, if alive and really its process."""
+    pid = read_pidfile(proc)
+    if pid is None or not _alive_pid(pid) or not is_deployment_process(proc, pid):
+        return None
+    return pid
+
+
+def _drop_stale_pidfile(proc: Proc, out: Any) -> None:
+    """Report and remove a pidfile naming an unrelated live process; that process is left alone."""
+    pid = stale_pid(proc)
+    if pid is None:
+        return
+    out.write(f"  {proc.name:<22} stale pidfile: pid {pid} is not this deployment's {proc.name} "
+              f"(not signalled); removing {proc.pid_file}\n")
+    try:
+        os.unlink(proc.pid_file)
+    except FileNotFoundError:
+        pass
 
 
 def health(proc: Proc, timeout: float = 2.0) -> tuple[str, dict[str, Any]]:
@@ -208,15 +300,24 @@ def start(procs: list[Proc], out: Any = None) -> int:
     """
     out = out if out is not None else sys.stdout
     for proc in procs:
-        if pid_of(proc) is not None:
-            out.write(f"  {proc.name:<22} already running (pid {pid_of(proc)})\n")
+        try:
+            proc.config.replication_secret()  # the deployment's secret, created on first use
+        except ConfigError as e:
+            out.write(f"  {proc.name:<22} FAILED to start: configuration error: {e}\n")
+            return 1
+    for proc in procs:
+        running = pid_of(proc)
+        if running is not None:
+            out.write(f"  {proc.name:<22} already running (pid {running})\n")
             continue
+        _drop_stale_pidfile(proc, out)
         os.makedirs(os.path.dirname(proc.pid_file), exist_ok=True)
         os.makedirs(os.path.dirname(proc.log_file), exist_ok=True)
         cmd = [twistd(), "--pidfile", proc.pid_file, "--logfile", proc.log_file, "synflow"]
         for f in proc.files:
             cmd += ["--config", f]
-        result = subprocess.run(cmd, capture_output=True, text=True)
+        env = dict(os.environ, **{PIDFILE_ENV: proc.pid_file})
+        result = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if result.returncode != 0:
             out.write(f"  {proc.name:<22} FAILED to start:\n{result.stderr or result.stdout}\n")
             return 1
@@ -251,7 +352,10 @@ def stop(procs: list[Proc], out: Any = None) -> int:
     for proc in reversed(procs):
         pid = pid_of(proc)
         if pid is None:
-            out.write(f"  {proc.name:<22} not running\n")
+            if stale_pid(proc) is not None:
+                _drop_stale_pidfile(proc, out)
+            else:
+                out.write(f"  {proc.name:<22} not running\n")
             continue
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + STOP_TIMEOUT_S

@@ -58,7 +58,8 @@ class MisroutedTest(TestCase):
         self.port = self.master.listeners["internal"].bound_port
         self.writers = ["master", "persister2"]
         positions = PositionSource(self.master.replication.handler, 1.0)
-        self.rpc = RpcClient(reactor, {"master": HostPort("127.0.0.1", self.port)}, positions)
+        self.secret = self.master.config.replication_secret()  # the deployment's generated secret
+        self.rpc = RpcClient(reactor, {"master": HostPort("127.0.0.1", self.port)}, positions, self.secret)
         self.addCleanup(self.rpc.close)
         self.mine = rooms_owned_by("master", self.writers, 3)
         self.theirs = rooms_owned_by("persister2", self.writers, 1)[0]
@@ -81,7 +82,8 @@ class MisroutedTest(TestCase):
         body = json.dumps({"args": {"event": create(self.theirs)}}).encode()
         response = yield Agent(reactor, pool=pool).request(
             b"POST", f"http://127.0.0.1:{self.port}{PREFIX}/send_event/raw1".encode(),
-            Headers({b"Content-Type": [b"application/json"]}), FileBodyProducer(BytesIO(body)))
+            Headers({b"Content-Type": [b"application/json"], b"Authorization": [b"Bearer " + self.secret.encode()]}),
+            FileBodyProducer(BytesIO(body)))
         data = json.loads((yield readBody(response)))
         self.assertEqual(response.code, 409)
         self.assertEqual((data["errcode"], data["owner"]), ("M_WRONG_PERSISTER", "persister2"))

@@ -30,11 +30,17 @@ PEER = "peer.test"
 NOT_FOUND = {"errcode": "M_UNRECOGNIZED", "error": "unrecognized request"}
 
 
-def request(port: int, method: str, path: str, body: dict | None = None) -> tuple[int, bytes]:
-    """One HTTP request to a loopback port: ``(status, body)``, error statuses included."""
+def request(port: int, method: str, path: str, body: dict | None = None,
+            secret: str | None = None) -> tuple[int, bytes]:
+    """One HTTP request to a loopback port: ``(status, body)``, error statuses included.
+
+    With ``secret``, it carries the deployment's bearer token (internal RPC needs it).
+    """
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if secret is not None:
+        headers["Authorization"] = f"Bearer {secret}"
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=30) as response:
             return response.status, response.read()
@@ -113,7 +119,9 @@ class DefaultListenersTest(SynchronousTestCase):
             self.assertEqual(request(self.ports[port], "GET", "/metrics")[0], 200, name)
             self.assertNotServed(self.ports[port], "POST", "/_synflow/client/v1/register", {"username": "dave"})
         # (Only internal RPC answers carry the positions the caller must wait for.)
+        with open(os.path.join(self.dir, "var", "replication.secret"), encoding="utf-8") as f:
+            secret = f.read().strip()  # the deployment's secret, created by synflowctl start
         code, content = request(self.ports[INTERNAL_PORTS["master"]], "POST", "/_synflow/internal/queue_edus/t1",
-                                {"args": {"edus": "not a list"}})
+                                {"args": {"edus": "not a list"}}, secret)
         self.assertEqual(code, 400, content)
         self.assertIn("positions", json.loads(content))

@@ -151,12 +151,19 @@ class HubOverTcpTest(TestCase):
         listener = self.master.replication.service.getServiceNamed("replication-hub")
         yield listener.when_listening()
         self.port = listener.bound_port
+        # The deployment's generated secret (the config names none): raw clients AUTH with it.
+        self.secret = config.replication_secret()
 
     def _raw(self):
         proto = LineCollector()
         d = connectProtocol(TCP4ClientEndpoint(reactor, "127.0.0.1", self.port), proto)
         self.addCleanup(lambda: proto.transport.loseConnection() if proto.transport else None)
-        return d.addCallback(lambda _: proto)
+
+        def authenticate(_):
+            proto.transport.write(b"AUTH " + self.secret.encode() + b"\n")
+            return proto
+
+        return d.addCallback(authenticate)
 
     @inlineCallbacks
     def test_silent_client_reads_server_then_ping(self):
@@ -208,6 +215,7 @@ class HubOverTcpTest(TestCase):
                 clock=reactor,
                 backoff=Backoff(initial_s=0.05, max_s=0.5),
                 rng=random.Random(i),
+                secret=self.secret,
             )
             svc.startService()
             self.addCleanup(svc.stopService)
