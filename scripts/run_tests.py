@@ -14,9 +14,14 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterable
 
 #: trial's closing line: ``PASSED (successes=3, skips=1)``, or a bare ``PASSED`` when nothing ran.
+#: Most trial workers by default: the suite's real-process tests mostly wait, but
+#: each worker adds deployments competing for the same cores.
+MAX_JOBS = 2
+
 SUMMARY = re.compile(r"^(PASSED|FAILED)(?: \((.*)\))?\s*$")
 
 
@@ -53,9 +58,28 @@ def summarize(output: Iterable[str], returncode: int) -> tuple[list[str], int]:
     return lines, 0 if failed == 0 and returncode == 0 and summary.group(1) == "PASSED" else 1
 
 
-def main(argv: list[str]) -> int:
+def trial_args(argv: list[str], jobs: str | None, cpus: int | None) -> list[str]:
+    """trial's arguments: ``argv`` (default ``tests``), run by ``-j N`` workers unless it picks its own.
+
+    Args:
+        argv: the arguments given to this script.
+        jobs: ``SYNFLOW_TEST_JOBS`` (a count, or unset for one worker per CPU, at most
+            :data:`MAX_JOBS`); ``1`` runs the suite in one process.
+        cpus: the machine's CPU count.
+    """
     args = argv or ["tests"]
+    if any(a == "-j" or a.startswith(("-j", "--jobs")) for a in args):
+        return args
+    n = int(jobs) if jobs else min(MAX_JOBS, cpus or 1)
+    if n < 1:
+        raise ValueError(f"SYNFLOW_TEST_JOBS must be at least 1, got {jobs!r}")
+    return args if n == 1 else ["-j", str(n), *args]
+
+
+def main(argv: list[str]) -> int:
+    args = trial_args(argv, os.environ.get("SYNFLOW_TEST_JOBS"), os.cpu_count())
     cmd = [sys.executable, "-m", "twisted.trial", "--temp-directory", os.environ.get("SYNFLOW_TRIAL_TEMP", "_trial_temp"), *args]
+    started = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     assert proc.stdout is not None
     seen: list[str] = []
@@ -65,6 +89,7 @@ def main(argv: list[str]) -> int:
         if SUMMARY.match(line.strip()):
             seen.append(line)
     rc = proc.wait()
+    print(f"trial phase: {time.monotonic() - started:.0f} s ({' '.join(args[:2]) if args[:1] == ['-j'] else 'one process'})")
     closing, code = summarize(seen, rc)
     for line in closing:
         print(line)

@@ -345,6 +345,9 @@ class SynflowProcess(ProcessService):
         return details
 
     def stopService(self) -> Deferred[None]:
+        rpc_server = getattr(self, "rpc_server", None)
+        if rpc_server is not None:
+            rpc_server.stopping = True  # calls already running finish; new ones are refused and retried
         d = super().stopService()
 
         def close_rpc(result: Any) -> Any:

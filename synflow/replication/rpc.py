@@ -93,6 +93,10 @@ class PositionSource:
                 await self.handler.wait_for_position(stream, instance, pos, self.wait_timeout_s)
 
 
+#: The errcode of a call refused because the serving process is stopping (the client retries it).
+STOPPING_ERRCODE = "M_STOPPING"
+
+
 class RpcServer(JsonResource):
     """Serves the internal RPC endpoints of one process.
 
@@ -108,6 +112,8 @@ class RpcServer(JsonResource):
         self.clock = clock
         self.secret = secret
         self.methods: dict[str, Callable[[Any], Awaitable[Any]]] = {}
+        #: Set when the process begins to stop: new calls are refused (and retried elsewhere or later).
+        self.stopping = False
         # key -> (expiry time, response); insertion order is expiry order (one TTL).
         self._responses: OrderedDict[str, tuple[float, Deferred[tuple[int, Any]]]] = OrderedDict()
         self.route("POST", r"/(?P<name>[a-z_]+)/(?P<txn_id>[A-Za-z0-9_-]{1,64})", self._on_call)
@@ -132,6 +138,12 @@ class RpcServer(JsonResource):
         now = self.clock.seconds()
         self._expire(now)
         entry = self._responses.get(key)
+        if entry is None and self.stopping:
+            # A call that arrives on a kept-alive connection after the drain began: refuse it
+            # before it runs, so the caller retries it (the process's database may be closing).
+            RPC_SERVED.labels(name=name, outcome="stopping").inc()
+            _close_after_response(request)
+            raise HttpApiError(503, STOPPING_ERRCODE, f"{name}: this process is stopping; retry")
         if entry is None:
             entry = self._responses[key] = (now + RESPONSE_CACHE_S, Deferred.fromCoroutine(self._run(name, method, body)))
         code, result = await observe(entry[1])
@@ -175,6 +187,15 @@ def _close_after_response(request: Request) -> None:
     channel = getattr(request, "channel", None)
     if channel is not None and hasattr(channel, "persistent"):
         channel.persistent = False
+
+
+def _errcode(content: bytes) -> str | None:
+    """The ``errcode`` of a JSON error body, if it has one."""
+    try:
+        data = json.loads(content)
+    except ValueError:
+        return None
+    return data.get("errcode") if isinstance(data, dict) else None
 
 
 @implementer(IAgentEndpointFactory)
@@ -253,6 +274,12 @@ class RpcClient:
                 last_error = e
                 delay = self.backoff.delay(attempt, self.rng)
                 logger.info("RPC %s to %s failed (%s); retry %d in %.2fs", name, instance, type(e).__name__, attempt, delay)
+                await sleep(self.reactor, delay)
+                continue
+            if code == 503 and _errcode(content) == STOPPING_ERRCODE:
+                last_error = HttpApiError(503, STOPPING_ERRCODE, f"{instance} is stopping")
+                delay = self.backoff.delay(attempt, self.rng)
+                logger.info("RPC %s to %s refused: it is stopping; retry %d in %.2fs", name, instance, attempt, delay)
                 await sleep(self.reactor, delay)
                 continue
             return await self._finish(instance, name, code, content)

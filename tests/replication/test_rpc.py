@@ -243,6 +243,25 @@ class ClientTest(SynchronousTestCase):
         self.assertEqual(len(self.method.calls), 1)
         self.assertEqual(http.posts[0][0], http.posts[1][0])
 
+    def test_stopping_server_refuses_new_calls_and_the_client_retries(self):
+        """A stopping process answers new calls 503 M_STOPPING without running them; the client retries with backoff until one runs."""
+        client, http, _, _ = self.client([])
+        self.server.stopping = True
+        d = ensureDeferred(client.call("srv", "echo", {"k": 1}))
+        self.flush(http)
+        self.assertEqual(len(http.posts), 1)
+        self.assertEqual(self.method.calls, [])
+        self.assertNoResult(d)
+        self.reactor.advance(1.0)
+        self.flush(http)
+        self.assertEqual(len(http.posts), 2)  # refused again: still stopping
+        self.assertEqual(self.method.calls, [])
+        self.server.stopping = False  # the process came back (a restart, here the same resource)
+        self.reactor.advance(2.0)
+        self.flush(http)
+        self.assertEqual(self.successResultOf(d)["echo"], {"k": 1})
+        self.assertEqual(self.method.calls, [{"k": 1}])
+
     def test_unreachable_gives_up(self):
         """After the last attempt fails to connect, the call fails with 502 naming the instance."""
         client, http, _, _ = self.client(["connect"] * 10)
