@@ -18,8 +18,9 @@ import time
 from collections.abc import Iterable
 
 #: trial's closing line: ``PASSED (successes=3, skips=1)``, or a bare ``PASSED`` when nothing ran.
-#: Most trial workers by default: the suite's real-process tests mostly wait, but
-#: each worker adds deployments competing for the same cores.
+#: Most trial workers for ``SYNFLOW_TEST_JOBS=auto``. The default is one process:
+#: on 2 cores two workers saved about 15% of the suite's time but doubled the
+#: load under the fault tests' SIGKILL windows.
 MAX_JOBS = 2
 
 SUMMARY = re.compile(r"^(PASSED|FAILED)(?: \((.*)\))?\s*$")
@@ -59,18 +60,18 @@ def summarize(output: Iterable[str], returncode: int) -> tuple[list[str], int]:
 
 
 def trial_args(argv: list[str], jobs: str | None, cpus: int | None) -> list[str]:
-    """trial's arguments: ``argv`` (default ``tests``), run by ``-j N`` workers unless it picks its own.
+    """trial's arguments: ``argv`` (default ``tests``), run by ``-j N`` workers when asked.
 
     Args:
         argv: the arguments given to this script.
-        jobs: ``SYNFLOW_TEST_JOBS`` (a count, or unset for one worker per CPU, at most
-            :data:`MAX_JOBS`); ``1`` runs the suite in one process.
+        jobs: ``SYNFLOW_TEST_JOBS``: ``auto`` for one worker per CPU, at most
+            :data:`MAX_JOBS`; a count; unset or ``1`` runs the suite in one process.
         cpus: the machine's CPU count.
     """
     args = argv or ["tests"]
     if any(a == "-j" or a.startswith(("-j", "--jobs")) for a in args):
         return args
-    n = int(jobs) if jobs else min(MAX_JOBS, cpus or 1)
+    n = min(MAX_JOBS, cpus or 1) if jobs == "auto" else int(jobs) if jobs else 1
     if n < 1:
         raise ValueError(f"SYNFLOW_TEST_JOBS must be at least 1, got {jobs!r}")
     return args if n == 1 else ["-j", str(n), *args]

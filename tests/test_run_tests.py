@@ -65,16 +65,21 @@ class SummarizeTest(SynchronousTestCase):
 
 
 class TrialArgsTest(SynchronousTestCase):
-    def test_one_worker_per_cpu_capped(self):
-        """Unset SYNFLOW_TEST_JOBS runs one trial worker per CPU, at most MAX_JOBS; a single CPU runs in one process."""
-        self.assertEqual(run_tests.trial_args([], None, 2), ["-j", "2", "tests"])
-        self.assertEqual(run_tests.trial_args(["tests.replication"], None, 64),
+    def test_one_process_by_default(self):
+        """Unset SYNFLOW_TEST_JOBS (or 1) runs the suite in one process."""
+        self.assertEqual(run_tests.trial_args([], None, 8), ["tests"])
+        self.assertEqual(run_tests.trial_args(["tests.replication"], "1", 8), ["tests.replication"])
+
+    def test_auto_is_one_worker_per_cpu_capped(self):
+        """SYNFLOW_TEST_JOBS=auto runs one trial worker per CPU, at most MAX_JOBS; a single CPU runs in one process."""
+        self.assertEqual(run_tests.trial_args([], "auto", 2), ["-j", "2", "tests"])
+        self.assertEqual(run_tests.trial_args(["tests.replication"], "auto", 64),
                          ["-j", str(run_tests.MAX_JOBS), "tests.replication"])
-        self.assertEqual(run_tests.trial_args([], None, 1), ["tests"])
+        self.assertEqual(run_tests.trial_args([], "auto", 1), ["tests"])
 
     def test_explicit_jobs(self):
-        """SYNFLOW_TEST_JOBS=1 runs one process; a -j given on the command line is left alone; 0 is refused."""
-        self.assertEqual(run_tests.trial_args([], "1", 8), ["tests"])
+        """A count is used as it is; a -j given on the command line is left alone; 0 is refused."""
+        self.assertEqual(run_tests.trial_args([], "3", 8), ["-j", "3", "tests"])
         self.assertEqual(run_tests.trial_args(["-j3", "tests"], "1", 8), ["-j3", "tests"])
         self.assertEqual(run_tests.trial_args(["--jobs=4", "tests"], None, 8), ["--jobs=4", "tests"])
         with self.assertRaises(ValueError):

@@ -25,10 +25,18 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 PROCESSES = ("master", "persister1", "persister2", "federation_sender1", "cache_invalidator1")
 
 
+def _without_pythonpath(testcase: TestCase) -> None:
+    """Unset PYTHONPATH for the test (trial's workers set it), so a fresh virtualenv sees only what is installed in it."""
+    saved = os.environ.pop("PYTHONPATH", None)
+    if saved is not None:
+        testcase.addCleanup(os.environ.__setitem__, "PYTHONPATH", saved)
+
+
 class FreshInstallTest(TestCase):
     timeout = 600
 
     def setUp(self):
+        _without_pythonpath(self)
         self.dir = os.path.abspath(self.mktemp())
         os.makedirs(self.dir)
         self.venv = os.path.join(self.dir, "venv")
@@ -36,7 +44,7 @@ class FreshInstallTest(TestCase):
         # A regular (non-editable) install from a copy of the source tree.
         result = subprocess.run(
             [os.path.join(self.venv, "bin", "pip"), "install", "--quiet", ROOT],
-            capture_output=True, text=True, timeout=500,
+            capture_output=True, text=True, timeout=500
         )
         self.assertEqual(result.returncode, 0, result.stderr[-3000:])
 
@@ -131,6 +139,8 @@ class EditableInstallTest(TestCase):
     def test_editable_install_lists_plugin(self):
         """With ``pip install -e .``, twistd (run outside the source tree) lists the synflow plugin."""
         import json
+
+        _without_pythonpath(self)
         from importlib.metadata import distribution
 
         direct_url = distribution("synflow").read_text("direct_url.json")
