@@ -151,6 +151,7 @@ class Cluster:
                  extra_instances: tuple[str, ...] = (), shared: dict | None = None,
                  secret: str | None = None) -> None:
         self.testcase = testcase
+        self.killed_at: dict[str, list[int]] = {}
         self.dir = os.path.abspath(testcase.mktemp())
         os.makedirs(self.dir)
         self.engine = engine
@@ -351,8 +352,10 @@ class Cluster:
         return proc.returncode
 
     def kill(self, name: str) -> None:
+        """SIGKILL ``name``; the wall time of each kill is kept in ``killed_at[name]`` (µs)."""
         proc = self.procs.get(name)
         if proc is not None and proc.poll() is None:
+            self.killed_at.setdefault(name, []).append(int(time.time() * 1_000_000))
             proc.kill()
             proc.wait(10)
 
