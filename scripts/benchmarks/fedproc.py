@@ -127,6 +127,12 @@ class MemoryDestinationStore:
     def get_catch_up_pdus(self, destination: str, after: StreamToken, upto: StreamToken, limit: int) -> Deferred[Any]:
         return succeed([])
 
+    def count_catch_up_events(self, destination: str, after: StreamToken, upto: StreamToken, limit: int) -> Deferred[int]:
+        return succeed(0)
+
+    def get_catch_up_events(self, destination: str, after: StreamToken, upto: StreamToken, limit: int) -> Deferred[Any]:
+        return succeed([])
+
     def outstanding_destinations(self, upto: StreamToken) -> Deferred[Any]:
         return succeed([])
 
