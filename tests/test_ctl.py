@@ -403,21 +403,7 @@ class StatusStopRestartTest(SynchronousTestCase):
         """restart stops every running process in reverse order, then starts each through twistd (master first) until healthy."""
         old = self.run_sleepers()
         self.serve_health({"events": {"p1": 1, "p2": 1}})
-        fake = os.path.abspath(self.mktemp()) + "-twistd"
-        with open(fake, "w") as f:
-            f.write(f"#!{sys.executable}\n" + textwrap.dedent("""\
-                # Stands in for twistd: records its arguments, leaves a detached process behind, exits 0.
-                import subprocess, sys
-                args = sys.argv[1:]
-                pidfile, logfile = args[args.index("--pidfile") + 1], args[args.index("--logfile") + 1]
-                child = subprocess.Popen(["sleep", "120"], start_new_session=True, stdin=subprocess.DEVNULL,
-                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                with open(pidfile, "w") as f:
-                    f.write(str(child.pid))
-                with open(logfile, "a") as f:
-                    f.write(" ".join(args) + "\\n")
-            """))
-        os.chmod(fake, 0o755)
+        fake = self.fake_twistd()
         self.patch(ctl, "twistd", lambda: fake)
         out = io.StringIO()
         self.patch(sys, "stdout", out)
