@@ -42,7 +42,9 @@ def _alive_workers(ui_port: int) -> int:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{ui_port}/json/", timeout=5) as response:
             state = json.load(response)
-    except OSError:
+    except (OSError, ValueError):
+        # Not listening yet, or the web UI is up but answers an empty or partial page while the
+        # master is still starting: not ready, ask again.
         return 0
     return sum(1 for w in state.get("workers", []) if w.get("state") == "ALIVE")
 
