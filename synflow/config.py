@@ -30,10 +30,9 @@ import yaml
 from synflow.endpoints import endpoint_problem, tcp_address
 from synflow.errors import ConfigError
 from synflow.shared_secret import DEFAULT_SECRET_NAME, is_loopback, load_or_create_secret
+from synflow.streams import StreamDef, Writers
 
 T = TypeVar("T")
-
-APP_TYPES = ("master", "event_persister", "federation_sender", "cache_invalidator")
 
 
 class Transport(enum.Enum):
@@ -259,13 +258,24 @@ class SynflowConfig:
     files: tuple[str, ...] = ()
     #: The file each dotted key path came from (not a YAML key).
     origins: Mapping[str, str] = attrs.field(factory=dict, repr=False, eq=False)
+    #: Worker types' own sections, by top-level key (validated by their attrs classes; not a key itself).
+    sections: Mapping[str, Any] = attrs.field(factory=dict, eq=False)
 
     # -- derived -------------------------------------------------------------------
 
-    @property
-    def event_writers(self) -> list[str]:
-        """The ordered list of event persisters (rooms shard over it)."""
-        return list(self.stream_writers.get("events", ["master"]))
+    def writers_of(self, stream: StreamDef) -> list[str]:
+        """The ordered writers of a ``Writers.CONFIGURED`` stream: ``stream_writers.<name>``, else its defaults.
+
+        A sharded stream's rows shard over this list.
+        """
+        return list(self.stream_writers.get(stream.name, stream.default_writers))
+
+    def section(self, cls: type[T]) -> T:
+        """The worker-type section of type ``cls`` (its defaults when the files have none)."""
+        for value in self.sections.values():
+            if isinstance(value, cls):
+                return value
+        raise LookupError(f"no config section of type {cls.__name__}")
 
     def replication_secret(self) -> str | None:
         """The shared secret of the internal channels (the hub's AUTH, RPC's bearer token).
@@ -303,10 +313,6 @@ class SynflowConfig:
             if kind in listener.resources:
                 return listener
         return None
-
-    def path(self, relative: str) -> str:
-        """A path from the config, made absolute against the working directory."""
-        return os.path.abspath(relative)
 
     # Everything a process writes defaults to a place under data_dir; a key
     # set explicitly wins.
@@ -372,10 +378,39 @@ def load_config(paths: Sequence[str], overrides: Mapping[str, Any] | None = None
         _merge(merged, data, origins, path, "")
     if overrides:
         _merge(merged, dict(overrides), origins, "<overrides>", "")
+    sections = _structure_sections(merged, origins)
     config = structure(SynflowConfig, merged, origins, "")
-    config = attrs.evolve(config, files=tuple(str(p) for p in paths), origins=dict(origins))
+    config = attrs.evolve(config, files=tuple(str(p) for p in paths), origins=dict(origins), sections=sections)
     validate(config, origins)
     return config
+
+
+def core_keys() -> frozenset[str]:
+    """synflow's own top-level keys (a worker type's section may not use one)."""
+    return frozenset(f.name for f in attrs.fields(SynflowConfig) if f.name not in NOT_KEYS)
+
+
+def _structure_sections(merged: dict[str, Any], origins: Mapping[str, str]) -> dict[str, Any]:
+    """Take the worker types' sections out of ``merged`` and structure each with its attrs class.
+
+    Every registered worker type's section is accepted in any process's files
+    (a shared file may hold them); one that is absent gets its defaults.
+    """
+    from synflow import registry  # it reads the config types defined here
+
+    try:
+        known = registry.config_sections()
+        app = merged.get("app")
+        if isinstance(app, str) and ":" in app:
+            cls = registry.load_dotted(app)
+            if cls.config is not None and cls.config.key not in core_keys():
+                known.setdefault(cls.config.key, cls.config.type)
+    except ConfigError as e:
+        raise config_error(origins, "app", str(e)) from None
+    sections: dict[str, Any] = {}
+    for key, cls in known.items():
+        sections[key] = structure(cls, merged.pop(key, {}), origins, key)
+    return sections
 
 
 def read_yaml(path: str) -> dict[str, Any]:
@@ -447,7 +482,7 @@ def config_error(origins: Mapping[str, str], key: str, message: str) -> ConfigEr
 # -- structuring --------------------------------------------------------------------------
 
 #: SynflowConfig attributes that are not YAML keys.
-NOT_KEYS = frozenset({"files", "origins"})
+NOT_KEYS = frozenset({"files", "origins", "sections"})
 
 
 def _typename(value: Any) -> str:
@@ -543,20 +578,18 @@ def validate(config: SynflowConfig, origins: Mapping[str, str]) -> None:
     """Checks that span several keys. Raises ConfigError naming the key."""
     if not config.server_name or " " in config.server_name:
         raise config_error(origins, "server_name", f"must be a non-empty name without spaces, got {config.server_name!r}")
-    if config.app not in APP_TYPES:
-        raise config_error(origins, "app", f"unknown app {config.app!r}; expected one of {', '.join(APP_TYPES)}")
     if not config.instance_name or any(c in config.instance_name for c in " \n/"):
         raise config_error(origins, "instance_name", f"must be a non-empty name without spaces or slashes, got {config.instance_name!r}")
-    if config.app == "master" and config.instance_name != "master":
-        raise config_error(origins, "instance_name", "the master's instance_name must be 'master'")
-    if config.app != "master" and config.instance_name == "master":
-        raise config_error(origins, "instance_name", "'master' is reserved for the app: master process")
     for name in config.instance_map:
         if not name or " " in name:
             raise config_error(origins, "instance_map", f"bad instance name {name!r}")
+    from synflow import registry  # it reads the config types defined here
+
+    configurable = sorted(n for n, s in registry.streams().items() if s.writers is Writers.CONFIGURED)
     for stream, writers in config.stream_writers.items():
-        if stream not in ("events",):
-            raise config_error(origins, f"stream_writers.{stream}", "unknown stream; only 'events' has configurable writers")
+        if stream not in configurable:
+            raise config_error(origins, f"stream_writers.{stream}",
+                               f"unknown stream; the streams with configurable writers are: {', '.join(configurable)}")
         if not writers:
             raise config_error(origins, f"stream_writers.{stream}", "needs at least one writer")
         if len(set(writers)) != len(writers):
@@ -573,10 +606,7 @@ def validate(config: SynflowConfig, origins: Mapping[str, str]) -> None:
     for i, inv in enumerate(config.caches.cache_invalidator_instances):
         if inv not in config.instance_map:
             raise config_error(origins, f"caches.cache_invalidator_instances[{i}]", f"{inv!r} is missing from instance_map")
-    if config.app in ("event_persister",) and config.instance_name not in config.event_writers:
-        raise config_error(origins, "instance_name", f"event_persister {config.instance_name!r} is not listed in stream_writers.events")
-    if config.instance_name not in config.instance_map and config.app != "master":
-        raise config_error(origins, "instance_map", f"this process ({config.instance_name!r}) is missing from instance_map")
+    registry.check_app(config, lambda key, message: config_error(origins, key, message))
     _check_ports(config, origins)
     _check_exposure(config, origins)
     _check_secret_file(origins, "replication.secret_file", config.replication.secret_file)

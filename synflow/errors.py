@@ -95,5 +95,5 @@ class HttpApiError(SynflowError):
         return body
 
 
-class RpcError(SynflowError):
-    """An internal RPC call to another synflow process failed."""
+class PluginError(ConfigError):
+    """A worker type or stream plugin cannot be used: two claim one name, its import fails, or it is malformed."""

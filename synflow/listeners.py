@@ -74,7 +74,11 @@ class ServedListener:
 
 
 def _runs_hub(config: SynflowConfig) -> bool:
-    return config.app == "master" and config.replication.transport is Transport.TCP
+    from synflow import registry  # it reads the config this module's checks are part of
+    from synflow.framework import Capability
+
+    return (config.replication.transport is Transport.TCP
+            and registry.worker_type_for(config).has(Capability.REPLICATION_HUB))
 
 
 def effective_listeners(config: SynflowConfig) -> list[ServedListener]:

@@ -10,6 +10,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from synflow.config import Transport, listener_port, load_config
 from synflow.errors import ConfigError
+from synflow.streams import EVENTS
 from tests.cluster import TWISTD
 
 WORKERS = os.path.join(os.path.dirname(__file__), "..", "workers")
@@ -107,8 +108,8 @@ class ConfigTest(_ConfigFiles):
                                shared=SHARED + "replication: {hub: {port: 9093}}\n")
 
     def test_unknown_app(self):
-        """An unknown app names the app types."""
-        self.assertConfigError("own.yaml", "app", "expected one of master, event_persister",
+        """An unknown app lists the worker types installed."""
+        self.assertConfigError("own.yaml", "app", "available: cache_invalidator, event_persister, federation_sender, master",
                                own=MASTER.replace("app: master", "app: synchrotron"))
 
     def test_unreadable_secret_file(self):
@@ -278,7 +279,7 @@ class DefaultDeploymentTest(SynchronousTestCase):
         self.assertEqual(master.listener("client").resources, ["client"])
         self.assertEqual(master.listener("federation").endpoint, "tcp:8448:interface=127.0.0.1")
         self.assertEqual(master.listener("federation").resources, ["federation"])
-        self.assertEqual(master.event_writers, ["persister1", "persister2"])
+        self.assertEqual(master.writers_of(EVENTS), ["persister1", "persister2"])
         self.assertEqual(master.federation_sender_instances, ["federation_sender1"])
         self.assertEqual(master.caches.cache_invalidator_instances, ["cache_invalidator1"])
 

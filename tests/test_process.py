@@ -232,7 +232,7 @@ class GracefulStopTest(TestCase):
         """stopService waits for drain(): every event queued before the stop is persisted and acknowledged."""
         master, _ = yield single_master(self)
         room = "!drain:api.test"
-        yield master.persister.persist([
+        yield master.worker.persister.persist([
             EventSpec(room, "m.room.create", "@a:api.test", {"creator": "@a:api.test"}, state_key="", origin="api.test"),
             EventSpec(room, "m.room.member", "@a:api.test", {"membership": "join"}, state_key="@a:api.test",
                       origin="api.test"),
@@ -242,7 +242,7 @@ class GracefulStopTest(TestCase):
         path = master.config.database_path
         blocker = sqlite3.connect(path, isolation_level=None)
         blocker.execute("BEGIN IMMEDIATE")
-        persists = [master.persister.persist([_message(room, n)]) for n in range(DRAIN_EVENTS)]
+        persists = [master.worker.persister.persist([_message(room, n)]) for n in range(DRAIN_EVENTS)]
         results: list[Any] = []
         for d in persists:
             d.addBoth(results.append)

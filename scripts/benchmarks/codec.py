@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from scripts.benchmarks.common import Progress
+from synflow import registry
 from synflow.replication.commands import (
     PingCommand,
     PositionCommand,
@@ -36,7 +37,7 @@ from synflow.replication.commands import (
     encode_line_bytes,
     parse_line,
 )
-from synflow.streams import STREAMS, CachesRow, EventsRow
+from synflow.streams import CachesRow, EventsRow
 
 TARGETS = [
     {"row": "codec.mix", "field": "ratio", "op": ">=", "threshold": 0.8,
@@ -81,7 +82,7 @@ def make_commands(n: int, seed: int = 1) -> list[tuple[str, Any, Any]]:
 
 
 def synflow_parse(lines: list[bytes]) -> None:
-    streams: dict[str, Any] = STREAMS
+    streams: dict[str, Any] = registry.streams()
     for line in lines:
         cmd = parse_line(line)
         if type(cmd) is RdataCommand:

@@ -41,8 +41,8 @@ from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.internet.task import LoopingCall
 
 from scripts.benchmarks.common import emit
-from synflow.app.apps import FEDERATION_SEND_PREFIX
 from synflow.config import FederationConfig
+from synflow.federation.auth import FEDERATION_SEND_PREFIX
 from synflow.federation.inbound import InboundTransactionHandler
 from synflow.federation.interfaces import DestinationRecord, Pdu
 from synflow.federation.policy import MAX_PDUS_PER_TRANSACTION, RetryState

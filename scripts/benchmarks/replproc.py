@@ -35,12 +35,13 @@ from twisted.internet.task import LoopingCall
 
 from scripts.benchmarks.common import emit
 from scripts.benchmarks.flow import AckReporter, WindowedProducer
+from synflow import registry
 from synflow.replication.client import ReplicationClientService
 from synflow.replication.commands import PositionCommand
 from synflow.replication.handler import ReplicationHandler
 from synflow.replication.hub import ReplicationHub, ReplicationServerFactory
 from synflow.storage.id_generators import FactPayload, MultiWriterIdGenerator
-from synflow.streams import EVENTS, STREAMS, EventsRow
+from synflow.streams import EVENTS, EventsRow
 
 SERVER_NAME = "bench.local"
 WRITER = "w1"
@@ -113,7 +114,7 @@ def hub_stats(hub: ReplicationHub) -> None:
 def run_hub(args: argparse.Namespace) -> None:
     handler = None
     if args.master_handler:
-        handler = ReplicationHandler("master", reactor, streams=STREAMS, sources={},
+        handler = ReplicationHandler("master", reactor, streams=registry.streams(), sources={},
                                      initial_positions={"events": {WRITER: 1}})
     hub, d = serve_hub(handler)
     d.addCallback(lambda port: emit("ready", port=port.getHost().port))
@@ -122,7 +123,7 @@ def run_hub(args: argparse.Namespace) -> None:
 
 def run_writer(args: argparse.Namespace) -> None:
     gen = MultiWriterIdGenerator(EVENTS, WRITER, 1, reactor)
-    handler = ReplicationHandler(WRITER, reactor, streams=STREAMS, sources={}, generators={"events": gen})
+    handler = ReplicationHandler(WRITER, reactor, streams=registry.streams(), sources={}, generators={"events": gen})
     state = {"next": 2}
 
     def produce(n: int) -> int:
@@ -156,7 +157,7 @@ def run_writer(args: argparse.Namespace) -> None:
 
 
 def run_reader(args: argparse.Namespace) -> None:
-    handler = ReplicationHandler(args.name, reactor, streams=STREAMS, sources={},
+    handler = ReplicationHandler(args.name, reactor, streams=registry.streams(), sources={},
                                  initial_positions={"events": {WRITER: 1}})
     acks = AckReporter(args.name, args.control)
     handler.add_row_handler("events", lambda instance, token, rows: acks.applied(len(rows), token))

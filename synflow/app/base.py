@@ -2,9 +2,10 @@
 
 :class:`ProcessService` is the root service of a process. Its
 ``startService`` returns at once and runs the start-up asynchronously: open
-the database; on the master apply migrations, on a worker wait (bounded) for
-the schema the master applies; load instance IDs; assemble replication; then
-let the app type add its own services (:meth:`ProcessService.setup_app`),
+the database; in a process whose worker type declares
+:attr:`~synflow.framework.Capability.MIGRATIONS` (the master) apply
+migrations, elsewhere wait (bounded) for them; load instance IDs; assemble
+replication; then let the worker type add its own services (:meth:`ProcessService.setup_app`),
 beside a :class:`~synflow.app.services.DatabaseProbe` that ``/health`` reads.
 If start-up fails, the reason is logged in one line and the process exits
 non-zero. ``stopService`` stops the app's services, then replication (which
@@ -23,11 +24,13 @@ from twisted.application.service import MultiService
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.threads import deferToThreadPool
 
+from synflow import registry
 from synflow.app.replication import Replication, setup_replication
 from synflow.app.services import DatabaseProbe
 from synflow.audit import AuditLog
 from synflow.config import SynflowConfig
 from synflow.errors import SynflowError
+from synflow.framework import Capability
 from synflow.storage.createdb import ensure_database_txn
 from synflow.storage.engines import Database, DatabaseConfig
 from synflow.storage.instances import InstanceMap
@@ -58,6 +61,8 @@ class ProcessService(MultiService):
         super().__init__()
         self.config = config
         self.reactor = reactor
+        #: The process's worker type (what it declares decides migrations, the hub, the streams it writes).
+        self.worker_type = registry.worker_type_for(config)
         self.exit_on_failure = exit_on_failure
         self.db: Database | None = None
         self.audit: AuditLog | None = None
@@ -83,21 +88,21 @@ class ProcessService(MultiService):
             retain_bytes=config.audit.retain_bytes, retain_days=config.audit.retain_days,
         )
         db_config = database_config(config)
-        if config.app == "master" and db_config.engine == "postgres":
+        migrates = self.worker_type.has(Capability.MIGRATIONS)
+        if migrates and db_config.engine == "postgres":
             if await deferToThreadPool(self.reactor, self.reactor.getThreadPool(), ensure_database_txn, db_config):
                 logger.info("created the PostgreSQL database %r", db_config.dbname)
         db = self.db = Database(self.reactor, db_config)
         self.db_probe = DatabaseProbe(db, self.reactor)
         self.db_probe.setServiceParent(self.app_services)
-        if config.app == "master":
+        if migrates:
             version = await prepare_database(db, apply=True)
         else:
             version = await wait_for_schema(db, self.reactor)
-        logger.info("%s %r: database schema at version %s", config.app, config.instance_name, version)
+        logger.info("%s %r: database schema at version %s", self.worker_type.name, config.instance_name, version)
         self.instances = InstanceMap(db, self.audit)
         await self.instances.load()
         self.replication = await setup_replication(config, self.reactor, db, audit=self.audit)
-        await self.instances.ids_for(sorted(self.replication.handler.positions("events")))
         await self.setup_app()
         self.replication.service.setServiceParent(self)
         when_ready = getattr(self.replication.transport, "when_ready", None)
@@ -110,7 +115,7 @@ class ProcessService(MultiService):
 
     def _started(self, _: Any) -> None:
         self.started = True
-        logger.info("%s %r started", self.config.app, self.config.instance_name)
+        logger.info("%s %r started", self.worker_type.name, self.config.instance_name)
         self.ready.callback(self)
 
     def _start_failed(self, failure: Any) -> None:
@@ -119,7 +124,7 @@ class ProcessService(MultiService):
         else:
             self.failure = f"{type(failure.value).__name__}: {failure.value}"
             logger.error("start-up failed:\n%s", failure.getTraceback())
-        logger.error("%s %r could not start: %s", self.config.app, self.config.instance_name, self.failure)
+        logger.error("%s %r could not start: %s", self.worker_type.name, self.config.instance_name, self.failure)
         # Under twistd sys.stderr is the log; the operator's terminal is the original stream.
         for stream in {id(sys.stderr): sys.stderr, id(sys.__stderr__): sys.__stderr__}.values():
             if stream is not None:

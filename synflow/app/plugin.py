@@ -21,12 +21,23 @@ class Options(usage.Options):
     """Options of ``twistd synflow``."""
 
     synopsis = "--config FILE [--config FILE ...]"
+
     longdesc = (
-        "Runs one synflow process. Its app type (master, event_persister, "
-        "federation_sender, cache_invalidator) and everything else come from "
-        "the YAML config files; later files override earlier ones key by key. "
-        "See docs/configuration.md for every key."
+        "Runs one synflow process. Its worker type (app:, one of those listed "
+        "below or package.module:Class) and everything else come from the YAML "
+        "config files; later files override earlier ones key by key. See "
+        "docs/configuration.md for every key and docs/framework.md for plugins."
     )
+
+    def getUsage(self, width: int | None = None) -> str:
+        """The usage text, then the worker types and streams installed (one per line)."""
+        from synflow import registry
+
+        try:
+            listing = "\n".join(registry.discover().listing())
+        except SynflowError as e:
+            listing = f"(the installed plugins could not be listed: {e})"
+        return f"{super().getUsage(width)}\n{listing}\n"
     optFlags = [
         ["check-config", None, "Validate the config files, print a summary and exit."],
     ]
@@ -57,7 +68,9 @@ def makeService(options: Options) -> IService:
     try:
         config = load_config(options["config"])
         if options["check-config"]:
-            print(f"config OK: {config.app} {config.instance_name!r} of {config.server_name!r}")
+            from synflow import registry
+
+            print(f"config OK: {registry.app_name(config)} {config.instance_name!r} of {config.server_name!r}")
             sys.exit(0)
         config.replication_secret()  # created now if missing: a bad secret file is a config error
         setup_logging(config)

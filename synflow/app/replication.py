@@ -18,9 +18,11 @@ from twisted.application.service import MultiService, Service
 from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import clientFromString
 
+from synflow import registry
 from synflow.app.services import ListeningService
 from synflow.audit import AuditLog
 from synflow.config import SynflowConfig, Transport
+from synflow.framework import Capability
 from synflow.listeners import hub_endpoint
 from synflow.replication import metrics as replication_metrics
 from synflow.replication.client import ReplicationClientService
@@ -34,9 +36,8 @@ from synflow.storage.id_generators import (
     last_allocated_txn,
     load_stream_state_txn,
     persist_position_txn,
-    recover_audit,
 )
-from synflow.streams import STREAMS, StreamDef, Writers
+from synflow.streams import StreamDef, Writers
 from synflow.streams.sources import DatabaseSource
 
 
@@ -44,9 +45,9 @@ def writes_stream(config: SynflowConfig, stream: StreamDef) -> bool:
     """Whether this instance writes ``stream``."""
     if stream.writers is Writers.ANY:
         return True
-    if stream.writers is Writers.MASTER:
-        return config.app == "master"
-    return config.instance_name in config.event_writers
+    if stream.writers is Writers.DECLARED:
+        return registry.worker_type_for(config).declares_writer_of(stream)
+    return config.instance_name in config.writers_of(stream)
 
 
 @attrs.define
@@ -85,10 +86,12 @@ async def setup_replication(
 ) -> Replication:
     """Load stream state and build the handler and transport (not started)."""
     me = config.instance_name
+    streams = registry.streams()
     generators: dict[str, MultiWriterIdGenerator] = {}
     positions: dict[str, dict[str, int]] = {}
     allocated: dict[str, int] = {}
-    for name, stream in STREAMS.items():
+    reserved = [t.reserved_instance_name for t in registry.discover().apps.values() if t.reserved_instance_name]
+    for name, stream in streams.items():
         state = await db.run_interaction(
             f"load_stream_{name}", load_stream_state_txn, stream, me, config.database.repair_positions,
             idempotent=True
@@ -96,16 +99,16 @@ async def setup_replication(
         view = dict(state.positions)
         allocated[name] = state.last_allocated
         if stream.writers is Writers.CONFIGURED:
-            for writer in config.event_writers:
+            for writer in config.writers_of(stream):
                 view.setdefault(writer, 1)
         elif stream.writers is Writers.ANY:
             # Every configured process may write: count them all from the
             # start, so the minimum stays below a writer not yet heard from.
-            for instance in (*config.instance_map, "master"):
+            for instance in (*config.instance_map, *reserved):
                 view.setdefault(instance, 1)
         if writes_stream(config, stream):
-            if name == "events" and audit is not None:
-                await recover_audit(db, audit, me)
+            if stream.recover_audit is not None and audit is not None:
+                await stream.recover_audit(db, audit, me)
             # Start from what this writer is known to have completed, not from the
             # sequence: on PostgreSQL IDs a killed predecessor reserved but never
             # committed are spent, and no log or row shows they were ever
@@ -123,14 +126,14 @@ async def setup_replication(
         return db.run_interaction("persist_position", persist_position_txn, stream, me, position, idempotent=True)
 
     def fetch_allocated(stream: str) -> Deferred[int]:
-        return db.run_interaction(f"stream_allocated_{stream}", last_allocated_txn, STREAMS[stream],
+        return db.run_interaction(f"stream_allocated_{stream}", last_allocated_txn, streams[stream],
                                   read_only=True, idempotent=True)
 
     handler = ReplicationHandler(
         me,
         reactor,
-        streams=STREAMS,
-        sources={name: DatabaseSource(db, s) for name, s in STREAMS.items()},
+        streams=streams,
+        sources={name: DatabaseSource(db, s) for name, s in streams.items()},
         generators=generators,
         initial_positions=positions,
         audit=audit,
@@ -147,7 +150,7 @@ async def setup_replication(
         transport = RedisTransportService(config, handler, reactor, rng=rng)
         transport.setServiceParent(service)
         repl.transport = transport
-    elif config.app == "master":
+    elif registry.worker_type_for(config).has(Capability.REPLICATION_HUB):
         hub = ReplicationHub(handler)
         factory = ReplicationServerFactory(hub, config.server_name, reactor, **core_options(config))
         listener = ListeningService(reactor, hub_endpoint(config), factory)

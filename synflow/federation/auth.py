@@ -61,6 +61,8 @@ REQUESTS = counter("synflow_federation_inbound_requests_total",
 
 #: Where the gate is mounted: every federation endpoint lives below it.
 FEDERATION_PREFIX = "/_matrix/federation"
+#: Where inbound transactions are posted (``PUT .../send/{txn_id}``).
+FEDERATION_SEND_PREFIX = "/_matrix/federation/v1/send"
 #: Where this server's key is published.
 KEY_PATH = "/_matrix/key/v2/server"
 #: The deepest JSON nesting the gate signs over (as ``limits.max_json_depth``'s default).

@@ -11,16 +11,21 @@ stream         writers                                  row (JSON array)
 =============  =======================================  =====================
 ``events``     ``stream_writers.events`` (by room)      event_id, room_id, type, state_key, sender, membership
 ``caches``     any process                              cache_name, keys or null, invalidation_ts
-``federation`` the master                               destination, edu_type, content
+``federation`` the master (its worker type declares it)  destination, edu_type, content
 =============  =======================================  =====================
+
+Each is declared like a plugin's stream (:class:`StreamDef`, exported as
+``synflow.api.Stream``) and registered through the ``synflow.streams`` entry
+point group (``setup.cfg``); :func:`synflow.registry.streams` lists every
+stream found, built-in or not.
 """
 
 from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, Final, Protocol, TypeAlias
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, ClassVar, Final, TypeAlias
 
 import attrs
 
@@ -136,19 +141,15 @@ class FederationRow:
 Row: TypeAlias = EventsRow | CachesRow | FederationRow
 
 
-class RowType(Protocol):
-    STREAM: ClassVar[str]
-
-    @classmethod
-    def from_wire(cls, row: list[Any]) -> Any: ...
-
-
 class Writers(enum.Enum):
     """Who may write a stream."""
 
-    CONFIGURED = "configured"  # the instances in stream_writers.<stream>
-    ANY = "any"  # every process
-    MASTER = "master"  # the master only
+    #: The instances listed in ``stream_writers.<stream>`` (else the stream's ``default_writers``).
+    CONFIGURED = "configured"
+    #: Every process.
+    ANY = "any"
+    #: The processes whose worker type lists the stream in its ``writes``.
+    DECLARED = "declared"
 
 
 @attrs.frozen
@@ -161,12 +162,24 @@ class StreamDef:
         table: the backing table; ``id_column`` holds stream IDs and
             ``instance_column`` the writer's instance name.
         select: the columns (after the ID) that rebuild a row, in order.
-        row_from_db: builds a row from those columns.
+        row_from_db: builds a row from those columns (default: ``row_type(*columns)``).
         sequence: the PostgreSQL sequence handing out IDs.
         writers: who may write it.
         idle_leaps: whether an idle writer advances its position to the highest
             ID allocated by anyone, so the stream's minimum never stalls behind
             a quiet writer (the shared cache tier relies on it for caches).
+        shard_key: for a sharded stream, the row's sharding key (its writer is
+            ``shard_for(shard_key(row), writers)``); None when any writer may
+            write any row.
+        default_writers: with ``Writers.CONFIGURED``, the writers when
+            ``stream_writers.<name>`` is not set.
+        schema: a directory of the stream's own migrations (see
+            ``synflow/storage/prepare.py``); None when its tables come from
+            elsewhere (synflow's own schema for the built-ins).
+        recover_audit: called as ``recover_audit(db, audit, instance_name)``
+            (returning an awaitable) when a writer of the stream starts, to
+            re-record rows a crash committed without their audit records;
+            None for none.
     """
 
     name: str
@@ -175,10 +188,27 @@ class StreamDef:
     id_column: str
     instance_column: str
     select: tuple[str, ...]
-    row_from_db: Callable[[tuple[Any, ...]], Any]
     sequence: str
     writers: Writers
+    row_from_db: Callable[[tuple[Any, ...]], Any] = attrs.field(
+        default=attrs.Factory(lambda self: _constructor(self.row_type), takes_self=True))
     idle_leaps: bool = True
+    shard_key: Callable[[Any], str] | None = None
+    default_writers: tuple[str, ...] = ()
+    schema: str | None = None
+    recover_audit: Callable[[Any, Any, str], Awaitable[int]] | None = None
+
+
+def _constructor(row_type: type) -> Callable[[tuple[Any, ...]], Any]:
+    return lambda cols: row_type(*cols)
+
+
+async def _recover_events_audit(db: Any, audit: Any, instance_name: str) -> int:
+    from synflow.storage.id_generators import (
+        recover_audit,  # the storage layer reads these definitions
+    )
+
+    return await recover_audit(db, audit, instance_name)
 
 
 def _caches_from_db(cols: tuple[Any, ...]) -> CachesRow:
@@ -198,9 +228,11 @@ EVENTS: Final = StreamDef(
     id_column="stream_ordering",
     instance_column="instance_name",
     select=("event_id", "room_id", "type", "state_key", "sender", "membership"),
-    row_from_db=lambda cols: EventsRow(*cols),
     sequence="events_stream_seq",
     writers=Writers.CONFIGURED,
+    shard_key=lambda row: row.room_id,
+    default_writers=("master",),
+    recover_audit=_recover_events_audit,
 )
 
 CACHES: Final = StreamDef(
@@ -224,8 +256,5 @@ FEDERATION: Final = StreamDef(
     select=("destination", "edu_type", "content"),
     row_from_db=_federation_from_db,
     sequence="federation_stream_seq",
-    writers=Writers.MASTER,
+    writers=Writers.DECLARED,
 )
-
-#: Every stream synflow knows, by name.
-STREAMS: Final[dict[str, StreamDef]] = {s.name: s for s in (EVENTS, CACHES, FEDERATION)}

@@ -4,6 +4,11 @@
     synflowctl stop    [DIR] [--config FILE]...
     synflowctl restart [DIR] [--config FILE]...
     synflowctl status  [DIR] [--config FILE]...
+    synflowctl plugins
+
+``plugins`` lists the worker types (``app:`` values) and streams installed:
+synflow's own and every distribution's ``synflow.apps`` / ``synflow.streams``
+entry points.
 
 ``DIR`` (default ``workers/``) holds ``shared.yaml`` and one YAML file per
 process (any file with an ``app`` or ``instance_name`` key); other YAML files
@@ -15,7 +20,7 @@ misspelt ``app``) is a configuration error naming the file. Each process runs as
 process's list, so ``--config workers/production.yaml`` switches the whole
 deployment to PostgreSQL and Redis. Processes are daemonized with their own
 pidfile and logfile (``pid_file``/``log_file``, by default under
-``<data_dir>/run`` and ``<data_dir>/log``), started master first, each
+``<data_dir>/run`` and ``<data_dir>/log``), started migrating process (the master) first, each
 waited for until its ``/health`` answers 200, and stopped in reverse order.
 Ports are checked across the processes too: two processes on one port is a
 configuration error naming the file and the key of the second.
@@ -46,10 +51,10 @@ from typing import Any
 
 import attrs
 
+from synflow import registry
 from synflow.config import (
-    APP_TYPES,
-    NOT_KEYS,
     SynflowConfig,
+    core_keys,
     listener_port,
     load_config,
     read_yaml,
@@ -131,7 +136,7 @@ def discover(directory: str, extra: list[str]) -> list[Proc]:
     shared = os.path.join(directory, "shared.yaml")
     if not os.path.exists(shared):
         raise ConfigError(f"no shared.yaml in {directory!r}", path=directory)
-    known = sorted(f.name for f in attrs.fields(SynflowConfig) if f.name not in NOT_KEYS)
+    known = sorted(core_keys() | set(registry.config_sections()))
     procs = []
     for entry in sorted(os.listdir(directory)):
         path = os.path.join(directory, entry)
@@ -146,13 +151,15 @@ def discover(directory: str, extra: list[str]) -> list[Proc]:
         if not any(key in data for key in PROCESS_KEYS):
             continue  # an overlay such as production.yaml: used only through --config
         if "app" not in data:
-            raise ConfigError(f"is required in a process file (one of {', '.join(APP_TYPES)})", path=path, key="app")
+            apps = ", ".join(sorted(registry.discover().apps))
+            raise ConfigError(f"is required in a process file (one of {apps}, or package.module:Class)", path=path, key="app")
         files = (shared, path, *extra)
         config = load_config(list(files))
         procs.append(Proc(config.instance_name, files, config))
     if not procs:
         raise ConfigError(f"no process files (YAML with an 'app' key) in {directory!r}", path=directory)
-    procs.sort(key=lambda p: (p.config.app != "master", p.name))
+    order = [name for name, _ in registry.sorted_for_start((p.name, p.config) for p in procs)]
+    procs.sort(key=lambda p: order.index(p.name))
     _check_ports(procs)
     return procs
 
@@ -406,7 +413,7 @@ def status(procs: list[Proc], out: Any = None) -> int:
         state, body = health(proc) if pid else ("stopped", {})
         all_up &= state == "healthy"
         positions = body.get("positions", {})
-        rows.append((proc.name, proc.config.app, str(pid or "-"), state, proc.metrics_url or "-",
+        rows.append((proc.name, registry.app_name(proc.config), str(pid or "-"), state, proc.metrics_url or "-",
                      format_positions(positions if isinstance(positions, dict) else {})))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
@@ -424,10 +431,18 @@ def _tail(path: str, lines: int = 30) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="synflowctl", description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("command", choices=("start", "stop", "restart", "status", "prometheus-config"))
+    parser.add_argument("command", choices=("start", "stop", "restart", "status", "prometheus-config", "plugins"))
     parser.add_argument("directory", nargs="?", default="workers")
     parser.add_argument("--config", action="append", default=[], help="appended to every process's config list")
+    parser.epilog = "plugins: list the worker types and streams installed (synflow.apps / synflow.streams entry points)"
     args = parser.parse_args(argv)
+    if args.command == "plugins":
+        try:
+            sys.stdout.write("\n".join(registry.discover().listing()) + "\n")
+        except ConfigError as e:
+            sys.stderr.write(f"synflowctl: {e}\n")
+            return 78
+        return 0
     try:
         procs = discover(args.directory, [os.path.abspath(c) for c in args.config])
     except ConfigError as e:

@@ -16,6 +16,8 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from synflow import registry
+
 __all__ = ["scrape_config"]
 
 
@@ -30,7 +32,7 @@ def scrape_config(procs: Sequence[Any], interval_s: int = 15) -> str:
         target = parts.netloc
         jobs.setdefault(proc.config.server_name, []).append({
             "targets": [target],
-            "labels": {"process": proc.name, "app": proc.config.app, "server_name": proc.config.server_name},
+            "labels": {"process": proc.name, "app": registry.app_name(proc.config), "server_name": proc.config.server_name},
         })
     config = {"scrape_configs": [
         {"job_name": f"synflow-{server}", "honor_labels": True, "scrape_interval": f"{interval_s}s",

@@ -18,6 +18,7 @@ from typing import Any
 
 from twisted.internet.task import Clock
 
+from synflow import registry
 from synflow.caching import CacheRegistry, TierClient
 from synflow.config import CacheConfig
 from synflow.events.persist import CREATE, MEMBER, EventPersister, EventSpec, PersistResult
@@ -30,7 +31,7 @@ from synflow.storage.id_generators import (
     load_stream_state_txn,
 )
 from synflow.storage.stores import DataStore
-from synflow.streams import STREAMS, Writers
+from synflow.streams import Writers
 from synflow.streams.sources import DatabaseSource
 
 SERVER = "hs"
@@ -94,7 +95,7 @@ class Process:
                  tier: TierClient | None = None) -> None:
         self.name = name
         self.handler = ReplicationHandler(
-            name, clock, streams=STREAMS, sources={n: DatabaseSource(db, s) for n, s in STREAMS.items()},
+            name, clock, streams=registry.streams(), sources={n: DatabaseSource(db, s) for n, s in registry.streams().items()},
             generators=generators, initial_positions=positions,
         )
         self.store = DataStore(db)
@@ -123,9 +124,9 @@ class Deployment:
     async def start(self) -> Deployment:
         """Load stream state as the application does and build the persister."""
         generators = {}
-        for name, stream in STREAMS.items():
+        for name, stream in registry.streams().items():
             state = await self.db.run_interaction(f"load_{name}", load_stream_state_txn, stream, WRITER, False)
-            if stream.writers is Writers.MASTER:
+            if stream.writers is Writers.DECLARED:
                 continue
             start = max(state.last_allocated, 1)
             generators[name] = MultiWriterIdGenerator(stream, WRITER, start, self.clock)

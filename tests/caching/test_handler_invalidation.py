@@ -15,11 +15,12 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
+from synflow import registry
 from synflow.caching import CURRENT_STATE_CACHE_NAME, CacheRegistry
 from synflow.config import CacheConfig
 from synflow.replication.commands import PositionCommand, RdataCommand
 from synflow.replication.handler import ReplicationHandler
-from synflow.streams import STREAMS, CachesRow
+from synflow.streams import CachesRow
 from tests.caching.stores import RoomStore, sample
 from tests.caching.test_registry import (
     CACHE_ATTRS,
@@ -54,7 +55,7 @@ class Reader:
 
     def __init__(self, source: ListSource | None = None) -> None:
         self.handler = ReplicationHandler(
-            "reader", Clock(), streams=STREAMS, sources={"caches": source or ListSource([])},
+            "reader", Clock(), streams=registry.streams(), sources={"caches": source or ListSource([])},
             initial_positions={"caches": {w: 1 for w in WRITERS}},
         )
         self.registry = CacheRegistry(CacheConfig())

@@ -8,12 +8,12 @@ from typing import Any
 from twisted.internet import reactor
 from twisted.trial.unittest import TestCase
 
+from synflow import registry
 from synflow.events.bounds import MAX_SAFE_INTEGER
 from synflow.events.persist import EventPersister, EventSpec, PersistResult
 from synflow.storage.engines import Database
 from synflow.storage.id_generators import MultiWriterIdGenerator, StreamWriters
 from synflow.storage.instances import InstanceMap
-from synflow.streams import STREAMS
 from tests.dbutil import make_database
 
 HS = "hs.test"
@@ -39,7 +39,7 @@ class PersistBatchMixin:
     async def _persister(self) -> tuple[Database, EventPersister]:
         db = await make_database(self, self.engine)  # type: ignore[arg-type]
         await InstanceMap(db).ids_for([P1])
-        gens = {s: MultiWriterIdGenerator(STREAMS[s], P1, 0, reactor) for s in ("events", "caches")}
+        gens = {s: MultiWriterIdGenerator(registry.streams()[s], P1, 0, reactor) for s in ("events", "caches")}
         ids = itertools.count()
         persister = EventPersister(StreamWriters(db, gens), server_name=HS, instance_name=P1, event_writers=[P1],
                                    clock=reactor, new_event_id=lambda: f"$e{next(ids)}:{HS}")

@@ -38,7 +38,7 @@ class CatchUpTest(TestCase):
         self.clock = Clock()
         # Nothing to catch up from: the rows are read from the store by sync itself.
         self.view, self.conn = positions_view("lagging", self.clock, known={"master": self.lag})
-        self.sync = SyncHandler(self.master.store, self.view, self.master.instances, self.clock)
+        self.sync = SyncHandler(self.master.worker.store, self.view, self.master.instances, self.clock)
 
     def start(self, timeout_ms: int = 0) -> Deferred[Any]:
         return ensureDeferred(self.sync.sync(self.alice.user_id, self.alice.user_id, self.sent["token"], timeout_ms, 10))

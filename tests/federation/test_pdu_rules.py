@@ -94,8 +94,8 @@ class PduRulesTest(TestCase):
         self.master, self.url = yield single_master(self, f"federation: {{allowed_origins: [{EVIL}, third.test]}}\n")
         self.pool = new_pool()
         self.addCleanup(self.pool.closeCachedConnections)
-        self.inbound = self.master.federation_inbound
-        self.store = self.master.store
+        self.inbound = self.master.worker.federation_inbound
+        self.store = self.master.worker.store
 
     async def send(self, origin: str, *pdus: dict[str, Any], raw: bytes | None = None) -> dict[str, Any]:
         """Deliver one transaction as ``origin``; returns the per-PDU results."""

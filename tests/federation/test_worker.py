@@ -21,6 +21,7 @@ from twisted.internet import reactor
 from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
 
+from synflow import registry
 from synflow.events.persist import EventPersister
 from synflow.events.router import EventRouter
 from synflow.federation.policy import RetryState
@@ -39,7 +40,6 @@ from synflow.sharding import shard_for
 from synflow.storage.engines import Database
 from synflow.storage.id_generators import MultiWriterIdGenerator, StreamWriters
 from synflow.storage.instances import InstanceMap
-from synflow.streams import STREAMS
 from tests.dbutil import make_database
 from tests.federation.fakes import FakeTransport, fast_config
 from tests.federation.sql import SERVER, create_room, member, message, persist, until
@@ -80,7 +80,7 @@ class SenderProcess:
                  wakeup_interval_s: float = 3600.0) -> None:
         self.clock = Clock()
         self.clock.advance(1_000_000)
-        self.handler = ReplicationHandler(name, self.clock, streams=STREAMS, sources={},
+        self.handler = ReplicationHandler(name, self.clock, streams=registry.streams(), sources={},
                                           initial_positions={"events": dict(positions)})
         self.conn = Conn()
         self.handler.new_connection(self.conn)
@@ -311,11 +311,11 @@ class WorkerTestsMixin:
 
     def _master(self, db: Database) -> tuple[ReplicationHandler, Any]:
         """The master's replication handler and a router to a real persister; returns a reader of its events."""
-        gens = {s: MultiWriterIdGenerator(STREAMS[s], P1, 0, reactor) for s in ("events", "caches")}
+        gens = {s: MultiWriterIdGenerator(registry.streams()[s], P1, 0, reactor) for s in ("events", "caches")}
         persister = EventPersister(StreamWriters(db, gens), server_name=SERVER, instance_name=P1,
                                    event_writers=[P1], clock=reactor, new_event_id=lambda: "$unused")
         self.router = EventRouter(P1, [P1], persister, None)
-        master = ReplicationHandler("master", Clock(), streams=STREAMS, sources={})
+        master = ReplicationHandler("master", Clock(), streams=registry.streams(), sources={})
 
         async def persisted() -> list[str]:
             def read(txn: Any) -> list[str]:

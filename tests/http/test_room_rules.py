@@ -77,7 +77,7 @@ class RoomRulesTest(_ApiTestBase):
             await self.assertApiError(403, "M_FORBIDDEN", alice.send(target, {"creator": alice.user_id}, "c1",
                                                                      event_type="m.room.create"))
         for target in ("!new:api.test", "!theirs:other.test"):
-            self.assertFalse(await self.master.store.room_exists(target))
+            self.assertFalse(await self.master.worker.store.room_exists(target))
             await self.assertApiError(404, "M_NOT_FOUND", alice.send(target, {"body": "x"}, "m1"))
         state = (await alice.request("GET", f"/rooms/{quote(room)}/state"))["state"]
         self.assertEqual(len(state["m.room.create"]), 1)

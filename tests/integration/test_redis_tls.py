@@ -18,11 +18,12 @@ from twisted.internet import reactor
 from twisted.internet.defer import inlineCallbacks
 from twisted.trial.unittest import TestCase
 
+from synflow import registry
 from synflow.config import load_config
 from synflow.replication.handler import ReplicationHandler
 from synflow.replication.redis import RedisTransportService
 from synflow.storage.id_generators import FactPayload, MultiWriterIdGenerator
-from synflow.streams import EVENTS, STREAMS
+from synflow.streams import EVENTS
 from synflow.testing import RecordingReceiver
 from tests import services
 from tests.certs import make_tls_files
@@ -98,8 +99,8 @@ class RedisTlsTest(TestCase):
     def _rows_flow(self, redis, **tls):
         """A writer and a reader over TLS: the writer's rows reach the reader through Redis."""
         gen = MultiWriterIdGenerator(EVENTS, "w1", 1, reactor)
-        writer = ReplicationHandler("w1", reactor, streams=STREAMS, sources={}, generators={"events": gen})
-        reader = ReplicationHandler("reader", reactor, streams=STREAMS, sources={"events": ListSource([])},
+        writer = ReplicationHandler("w1", reactor, streams=registry.streams(), sources={}, generators={"events": gen})
+        reader = ReplicationHandler("reader", reactor, streams=registry.streams(), sources={"events": ListSource([])},
                                     initial_positions={"events": {"w1": 1}})
         applied = []
         reader.add_row_handler("events", lambda i, t, rows: applied.extend((t, r.event_id) for r in rows))

@@ -6,9 +6,10 @@ from typing import Any
 
 from twisted.internet.defer import Deferred, succeed
 
+from synflow import registry
 from synflow.replication.handler import ReplicationHandler
 from synflow.storage.id_generators import MultiWriterIdGenerator
-from synflow.streams import EVENTS, STREAMS
+from synflow.streams import EVENTS
 
 
 class NoUpdates:
@@ -31,7 +32,7 @@ def positions_view(
     """A replication handler for ``name`` (writing ``events`` at ``own`` if given, knowing
     the ``events`` writers at ``known``) and the connection it is on."""
     generators = {"events": MultiWriterIdGenerator(EVENTS, name, own, clock)} if own is not None else {}
-    handler = ReplicationHandler(name, clock, streams=STREAMS, sources={"events": NoUpdates()},
+    handler = ReplicationHandler(name, clock, streams=registry.streams(), sources={"events": NoUpdates()},
                                  generators=generators, initial_positions={"events": dict(known or {})})
     conn = DiscardingConn()
     handler.new_connection(conn)

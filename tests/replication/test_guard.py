@@ -8,13 +8,14 @@ from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
+from synflow import registry
 from synflow.replication.commands import PositionCommand, RdataCommand, Side
 from synflow.replication.core import AUTH_TIMEOUT_S
 from synflow.replication.guard import REFUSAL_LOG_INTERVAL_S, PositionGuard
 from synflow.replication.handler import ReplicationHandler
 from synflow.replication.hub import ReplicationHub
 from synflow.storage.id_generators import MultiWriterIdGenerator
-from synflow.streams import EVENTS, STREAMS, EventsRow
+from synflow.streams import EVENTS, EventsRow
 from synflow.testing import attach, make_protocol
 from tests.replication.test_handler import FakeConn, ListSource
 
@@ -25,7 +26,7 @@ class Sequence:
     """Stands in for the streams' sequences in the database: ``last`` per stream, reads counted."""
 
     def __init__(self, last: int, *, deferred: bool = False) -> None:
-        self.last = {name: last for name in STREAMS}
+        self.last = {name: last for name in registry.streams()}
         self.reads = 0
         self.deferred = deferred
         self.pending: list[Deferred[int]] = []
@@ -103,9 +104,9 @@ class HandlerGuardTest(SynchronousTestCase):
         self.sequence = Sequence(10)
         self.gen = MultiWriterIdGenerator(EVENTS, "persister2", 10, self.clock)
         self.handler = ReplicationHandler(
-            "persister2", self.clock, streams=STREAMS, sources={"events": ListSource([])},
+            "persister2", self.clock, streams=registry.streams(), sources={"events": ListSource([])},
             generators={"events": self.gen}, initial_positions={"events": {"persister1": 10}},
-            guard=PositionGuard(self.sequence.fetch, {name: 10 for name in STREAMS}, self.clock),
+            guard=PositionGuard(self.sequence.fetch, {name: 10 for name in registry.streams()}, self.clock),
         )
         self.conn = FakeConn()
         self.handler.new_connection(self.conn)
@@ -176,9 +177,9 @@ class HubGuardTest(SynchronousTestCase):
         self.clock = Clock()
         self.clock.advance(1000)
         self.sequence = Sequence(10)
-        self.guard = PositionGuard(self.sequence.fetch, {name: 10 for name in STREAMS}, self.clock)
+        self.guard = PositionGuard(self.sequence.fetch, {name: 10 for name in registry.streams()}, self.clock)
         self.handler = ReplicationHandler(
-            "master", self.clock, streams=STREAMS, sources={"events": ListSource([])},
+            "master", self.clock, streams=registry.streams(), sources={"events": ListSource([])},
             initial_positions={"events": {"persister1": 10, "persister2": 10}}, guard=self.guard,
         )
         self.hub = ReplicationHub(self.handler)

@@ -7,6 +7,7 @@ from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
+from synflow import registry
 from synflow.replication.commands import (
     COMMANDS,
     FederationAckCommand,
@@ -18,7 +19,7 @@ from synflow.replication.commands import (
 from synflow.replication.handler import ReplicationHandler
 from synflow.replication.hub import ReplicationHub
 from synflow.storage.id_generators import FactPayload, MultiWriterIdGenerator
-from synflow.streams import CACHES, EVENTS, STREAMS, EventsRow
+from synflow.streams import CACHES, EVENTS, EventsRow
 from synflow.testing import Pump, make_protocol
 
 
@@ -76,7 +77,7 @@ class FakeConn:
 def make_handler(name="reader", source=None, generators=None, clock=None, positions=None):
     clock = clock or Clock()
     handler = ReplicationHandler(
-        name, clock, streams=STREAMS,
+        name, clock, streams=registry.streams(),
         sources={"events": source or ListSource([])},
         generators=generators, initial_positions=positions or {"events": {"w1": 1, "w2": 1}},
     )
@@ -277,7 +278,7 @@ class WritingTest(SynchronousTestCase):
         clock = Clock()
         gen = MultiWriterIdGenerator(stream, "w1", position, clock)
         handler = ReplicationHandler(
-            "w1", clock, streams=STREAMS, sources={}, generators={stream.name: gen},
+            "w1", clock, streams=registry.streams(), sources={}, generators={stream.name: gen},
         )
         sent = FakeConn()
         handler.set_transport(sent)
@@ -341,7 +342,7 @@ class WritingTest(SynchronousTestCase):
 
         clock = Clock()
         gen = MultiWriterIdGenerator(EVENTS, "w1", 1, clock)
-        handler = ReplicationHandler("w1", clock, streams=STREAMS, sources={}, generators={"events": gen},
+        handler = ReplicationHandler("w1", clock, streams=registry.streams(), sources={}, generators={"events": gen},
                                      persist=persist)
         handler.set_transport(FakeConn())
         handler.start()
@@ -399,7 +400,7 @@ class ThroughTheHubTest(SynchronousTestCase):
     def setUp(self):
         self.clock = MemoryReactorClock()
         self.gen = MultiWriterIdGenerator(EVENTS, "w1", 1, self.clock)
-        self.writer = ReplicationHandler("w1", self.clock, streams=STREAMS, sources={},
+        self.writer = ReplicationHandler("w1", self.clock, streams=registry.streams(), sources={},
                                          generators={"events": self.gen})
         self.table = ListSource()  # what the writer committed; the reader catches up from it
         self.reader, self.applied, _ = make_handler(source=self.table, clock=self.clock,

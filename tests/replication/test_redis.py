@@ -15,6 +15,7 @@ from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.testing import MemoryReactor, StringTransport
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
+from synflow import registry
 from synflow.config import RedisConfig, TlsConfig, load_config
 from synflow.replication.commands import (
     ClearUserSyncCommand,
@@ -29,7 +30,7 @@ from synflow.replication.commands import (
 from synflow.replication.handler import ReplicationHandler
 from synflow.replication.redis import RedisTransportService, redis_endpoint
 from synflow.storage.id_generators import FactPayload, MultiWriterIdGenerator
-from synflow.streams import EVENTS, STREAMS, EventsRow
+from synflow.streams import EVENTS, EventsRow
 from synflow.testing import FakeRedisServer, RecordingReceiver
 from tests.certs import certificate
 from tests.cluster import sleep, wait_until
@@ -173,8 +174,8 @@ class RedisTransportOverFakeTest(TestCase):
     def _pair(self, server, source=None):
         tmp = self.mktemp()
         gen = MultiWriterIdGenerator(EVENTS, "w1", 1, reactor)
-        writer = ReplicationHandler("w1", reactor, streams=STREAMS, sources={}, generators={"events": gen})
-        reader = ReplicationHandler("reader", reactor, streams=STREAMS, sources={"events": source or ListSource([])},
+        writer = ReplicationHandler("w1", reactor, streams=registry.streams(), sources={}, generators={"events": gen})
+        reader = ReplicationHandler("reader", reactor, streams=registry.streams(), sources={"events": source or ListSource([])},
                                     initial_positions={"events": {"w1": 1}})
         applied = []
         reader.add_row_handler("events", lambda i, t, rows: applied.extend((t, r.event_id) for r in rows))
@@ -367,7 +368,7 @@ class RedisTransportOverFakeTest(TestCase):
     def test_unknown_stream_logged_once(self):
         """Repeated POSITION and RDATA for a stream this process does not know warn once per stream and are ignored."""
         server = FakeRedisServer()
-        reader = ReplicationHandler("reader", reactor, streams=STREAMS, sources={"events": ListSource([])})
+        reader = ReplicationHandler("reader", reactor, streams=registry.streams(), sources={"events": ListSource([])})
         rt = yield self._single(server, reader, "reader")
         reader.set_transport(rt)
         log = LogCapture(self, "synflow.replication.handler")

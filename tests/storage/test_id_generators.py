@@ -11,6 +11,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
 
+from synflow import registry
 from synflow.errors import InconsistentPositionsError
 from synflow.replication.handler import ReplicationHandler
 from synflow.storage.engines import Database, Txn
@@ -23,7 +24,7 @@ from synflow.storage.id_generators import (
     load_stream_state_txn,
     persist_position_txn,
 )
-from synflow.streams import EVENTS, STREAMS, EventsRow
+from synflow.streams import EVENTS, EventsRow
 from tests.dbutil import make_database
 
 WRITER = "persister1"
@@ -185,7 +186,7 @@ class IdGeneratorTestsMixin:
             return db.run_interaction("persist_position", persist_position_txn, stream, WRITER, position)
 
         clock = Clock()
-        handler = ReplicationHandler(WRITER, clock, streams=STREAMS, sources={}, generators={"events": gen},
+        handler = ReplicationHandler(WRITER, clock, streams=registry.streams(), sources={}, generators={"events": gen},
                                      persist=persist)
         handler.start()
         ids = await writers.run_write("w", ["events"], write_events, 3)
@@ -217,8 +218,8 @@ class IdGeneratorTestsMixin:
         self.addCleanup(audit.close)  # type: ignore[attr-defined]
         state = await self._load(db)
         events = MultiWriterIdGenerator(EVENTS, WRITER, max(state.last_allocated, 1), clock, audit)
-        caches_start = await db.run_interaction("last", last_allocated_txn, STREAMS["caches"])
-        caches = MultiWriterIdGenerator(STREAMS["caches"], WRITER, caches_start, clock, audit)
+        caches_start = await db.run_interaction("last", last_allocated_txn, registry.streams()["caches"])
+        caches = MultiWriterIdGenerator(registry.streams()["caches"], WRITER, caches_start, clock, audit)
         announced: dict[str, int] = {}
         events.add_listener(lambda facts, pos: announced.__setitem__("events", pos))
         caches.add_listener(lambda facts, pos: announced.__setitem__("caches", pos))

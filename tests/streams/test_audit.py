@@ -11,11 +11,12 @@ from typing import Any
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
+from synflow import registry
 from synflow.audit import FLUSH_INTERVAL_S, AuditLog
 from synflow.replication.handler import ReplicationHandler
 from synflow.storage.engines import Txn, get_engine
 from synflow.storage.id_generators import MultiWriterIdGenerator, StreamWriteContext
-from synflow.streams import EVENTS, STREAMS, EventsRow
+from synflow.streams import EVENTS, EventsRow
 
 WRITER = "persister1"
 #: An epoch time exactly representable as a float, so µs conversions are exact.
@@ -63,7 +64,7 @@ class AuditLogTest(SynchronousTestCase):
         """A completed write's records have exactly the documented keys and integer µs times from the clock."""
         audit = self._audit()
         gen = MultiWriterIdGenerator(EVENTS, WRITER, 1, self.clock, audit)
-        handler = ReplicationHandler(WRITER, self.clock, streams=STREAMS, sources={}, generators={"events": gen},
+        handler = ReplicationHandler(WRITER, self.clock, streams=registry.streams(), sources={}, generators={"events": gen},
                                      audit=audit)
         handler.set_transport(_Discard())
         ok_handle, bad_handle = gen.tracker.begin_fetch(), gen.tracker.begin_fetch()

@@ -16,13 +16,13 @@ from prometheus_client import REGISTRY
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from synflow import audit_files
+from synflow import audit_files, registry
 from synflow.audit import ERROR_LOG_INTERVAL_S, RETRY_INTERVAL_S, AuditLog
 from synflow.audit_files import PartFiles
 from synflow.audit_gaps import MAX_GAP_READERS
 from synflow.replication.handler import ReplicationHandler
 from synflow.storage.id_generators import MultiWriterIdGenerator, StreamWriteContext
-from synflow.streams import EVENTS, STREAMS, EventsRow
+from synflow.streams import EVENTS, EventsRow
 from tests.streams.test_audit import T0, WRITER, _Discard, records, sqlite_txn
 
 
@@ -93,7 +93,7 @@ class AuditFailureTest(SynchronousTestCase):
         gen = MultiWriterIdGenerator(EVENTS, WRITER, 1, self.clock, audit)
         announced: list[int] = []
         gen.add_listener(lambda facts, position: announced.append(position))
-        handler = ReplicationHandler(WRITER, self.clock, streams=STREAMS, sources={}, generators={"events": gen},
+        handler = ReplicationHandler(WRITER, self.clock, streams=registry.streams(), sources={}, generators={"events": gen},
                                      audit=audit)
         handler.set_transport(_Discard())
         before, tokens_before = _errors("writer"), _errors("tokens")

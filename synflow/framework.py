@@ -1,0 +1,228 @@
+"""What a worker type is, and what the common bootstrap hands it.
+
+Public through :mod:`synflow.api`; this module holds the definitions.
+
+A **worker type** is a subclass of :class:`WorkerType` naming itself
+(``name``, the ``app:`` value in a config file), optionally its own config
+section (:class:`Section`), the streams it writes (``writes``) or follows
+(``follows``) and the roles it plays for the whole deployment
+(:class:`Capability`). The bootstrap (``synflow/app/``) opens the database,
+applies or waits for migrations, loads every registered stream, assembles
+replication and internal RPC, then calls :meth:`WorkerType.build` with a
+:class:`ProcessContext`. What ``build`` registers there -- services, HTTP
+resources on named listeners, RPC methods, row handlers, health checks -- is
+started, served and stopped by the bootstrap.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+import attrs
+from prometheus_client import CollectorRegistry
+from twisted.application.service import IService, MultiService, Service
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorCore, IReactorTime
+from twisted.web.resource import IResource
+
+from synflow.streams import StreamDef, Writers
+
+if TYPE_CHECKING:
+    from synflow.audit import AuditLog
+    from synflow.config import SynflowConfig
+    from synflow.replication.handler import ReplicationHandler
+    from synflow.replication.rpc import RpcClient, RpcServer
+    from synflow.storage.engines import Database
+    from synflow.storage.id_generators import StreamWriters
+    from synflow.storage.instances import InstanceMap
+
+__all__ = ["Capability", "ProcessContext", "Section", "WorkerType"]
+
+S = TypeVar("S")
+
+#: Called with (writer instance, stream position, rows) in stream order.
+RowCallback = Callable[[str, int, list[Any]], None]
+
+
+class Capability(enum.Enum):
+    """A role a worker type plays for the whole deployment (instead of a name the bootstrap checks)."""
+
+    #: Applies schema migrations (creating a missing PostgreSQL database
+    #: first); every other process waits for them.
+    MIGRATIONS = "migrations"
+    #: Runs the TCP replication hub the other processes connect to (with
+    #: ``replication.transport: tcp``).
+    REPLICATION_HUB = "replication_hub"
+
+
+@attrs.frozen
+class Section:
+    """A worker type's own top-level config section.
+
+    Attributes:
+        key: the top-level YAML key (``receipts:``).
+        type: an attrs class; the section is checked key by key like synflow's
+            own (unknown keys, types, validators: one ``file: key: problem``
+            line).
+    """
+
+    key: str
+    type: type
+
+
+class WorkerType:
+    """Base class of every worker type, built-in or plugin.
+
+    Class attributes a subclass sets:
+
+    * ``name`` -- the ``app:`` value that selects it;
+    * ``summary`` -- one line for ``twistd synflow --help`` and ``synflowctl plugins``;
+    * ``config`` -- its :class:`Section`, or None;
+    * ``writes`` -- streams it writes: a ``Writers.DECLARED`` stream is
+      written by the processes of the types that list it; a
+      ``Writers.CONFIGURED`` one requires this process to be listed in
+      ``stream_writers.<stream>``;
+    * ``follows`` -- names of streams whose rows it handles (checked to exist at start);
+    * ``capabilities`` -- :class:`Capability` members;
+    * ``reserved_instance_name`` -- if set, its process must use this
+      ``instance_name`` and no other type may;
+    * ``requires_instance_map`` -- whether its process must be listed in
+      ``instance_map`` (its internal RPC address).
+    """
+
+    name: ClassVar[str]
+    summary: ClassVar[str] = ""
+    config: ClassVar[Section | None] = None
+    writes: ClassVar[tuple[StreamDef, ...]] = ()
+    follows: ClassVar[tuple[str, ...]] = ()
+    capabilities: ClassVar[frozenset[Capability]] = frozenset()
+    reserved_instance_name: ClassVar[str | None] = None
+    requires_instance_map: ClassVar[bool] = True
+
+    @classmethod
+    def check_config(cls, config: SynflowConfig, error: Callable[[str, str], Exception]) -> None:
+        """Cross-key checks of this type's config; raise ``error(dotted_key, problem)``."""
+
+    def build(self, ctx: ProcessContext) -> Awaitable[None] | None:
+        """Add this process's services, resources, RPC methods and row handlers to ``ctx``.
+
+        May be a coroutine; the process starts serving once it returns.
+        """
+        return None
+
+    def health_details(self) -> Mapping[str, Any]:
+        """Extra fields of this process's ``/health`` answer."""
+        return {}
+
+    @classmethod
+    def has(cls, capability: Capability) -> bool:
+        """Whether this worker type declares ``capability``."""
+        return capability in cls.capabilities
+
+    @classmethod
+    def declares_writer_of(cls, stream: StreamDef) -> bool:
+        """Whether this type lists ``stream`` among the streams it writes."""
+        return any(s.name == stream.name for s in cls.writes)
+
+
+class _Drain(Service):
+    """Runs a drain function when stopped (stopped first: services stop in reverse)."""
+
+    def __init__(self, drain: Callable[[], Deferred[Any] | None]) -> None:
+        self.drain = drain
+
+    def stopService(self) -> Deferred[Any] | None:
+        super().stopService()
+        return self.drain()
+
+
+@attrs.define(eq=False)
+class ProcessContext:
+    """What the bootstrap hands a worker type's :meth:`WorkerType.build`.
+
+    Attributes:
+        config: the process's validated config (a plugin's own section: :meth:`section`).
+        reactor: the reactor (only the bootstrap passes the global one).
+        clock: the same reactor, as a clock.
+        db: the database (``run_interaction``, ``run_query``).
+        audit: the audit log every stream writes to.
+        instances: persistent small integer IDs of instance names (stream tokens).
+        handler: replication: positions, waiting for positions, commands.
+        writers: the one way to write streams this process writes (``run_write``).
+        rpc: the internal RPC server (``register(name, method)``).
+        rpc_client: calls other processes of the deployment.
+        metrics: the process's Prometheus registry (served on ``metrics`` listeners).
+        allocated_at_start: each stream's highest allocated ID when the process started.
+    """
+
+    config: SynflowConfig
+    reactor: IReactorCore
+    clock: IReactorTime
+    db: Database
+    audit: AuditLog
+    instances: InstanceMap
+    handler: ReplicationHandler
+    writers: StreamWriters
+    rpc: RpcServer
+    rpc_client: RpcClient
+    metrics: CollectorRegistry
+    allocated_at_start: Mapping[str, int]
+    services: MultiService
+    sections: Mapping[str, Any] = attrs.Factory(dict)
+    #: HTTP resources by listener resource name, then path prefix.
+    resources: dict[str, dict[str, IResource]] = attrs.Factory(dict)
+    health_checks: list[Callable[[], str | None]] = attrs.Factory(list)
+
+    def section(self, cls: type[S]) -> S:
+        """This process's config section of type ``cls`` (its defaults if the files have none)."""
+        for value in self.sections.values():
+            if isinstance(value, cls):
+                return value
+        raise LookupError(f"no config section of type {cls.__name__} is registered")
+
+    def listen(self, resource: str, prefix: str, site_resource: IResource) -> None:
+        """Serve ``site_resource`` under the path ``prefix`` on the listener naming ``resource``.
+
+        ``resource`` is one of the listener resource names (``client``,
+        ``federation``, ...). Nothing is served if no listener of this process
+        names it.
+        """
+        self.resources.setdefault(resource, {})[prefix] = site_resource
+
+    def on_rows(self, stream: str, callback: RowCallback) -> None:
+        """Call ``callback(writer, position, rows)`` for each batch of ``stream``'s rows, in order."""
+        if stream not in self.handler.views:
+            raise LookupError(f"unknown stream {stream!r}; registered: {', '.join(sorted(self.handler.views))}")
+        self.handler.add_row_handler(stream, callback)
+
+    def on_command(self, command: type, callback: Callable[[Any, Any], object]) -> None:
+        """Call ``callback(connection, command)`` for each replication command of class ``command``."""
+        self.handler.add_command_listener(command, callback)
+
+    def add_service(self, service: IService) -> None:
+        """Start ``service`` with the process and stop it (before replication) at shutdown."""
+        service.setServiceParent(self.services)
+
+    def add_drain(self, drain: Callable[[], Deferred[Any] | None]) -> None:
+        """Wait for ``drain()`` first at shutdown (in-flight work finishing)."""
+        _Drain(drain).setServiceParent(self.services)
+
+    def add_health_check(self, check: Callable[[], str | None]) -> None:
+        """``/health`` answers 503 with the returned text while ``check()`` is not None."""
+        self.health_checks.append(check)
+
+    def writes(self, stream: StreamDef) -> bool:
+        """Whether this process writes ``stream`` (it has its ID generator)."""
+        return stream.name in self.writers.generators
+
+    def position(self, stream: str) -> int:
+        """The lowest position every writer of ``stream`` has reached (all of it is visible)."""
+        return min(self.handler.positions(stream).values(), default=0)
+
+
+def writer_kind(stream: StreamDef) -> str:
+    """How the writers of ``stream`` are chosen, in words (for listings)."""
+    return {Writers.CONFIGURED: f"stream_writers.{stream.name}", Writers.ANY: "any process",
+            Writers.DECLARED: "the worker types that declare it"}[stream.writers]

@@ -1,0 +1,177 @@
+"""What every built-in worker type shares: one Matrix-style server's rooms, caches, client API and inbound federation.
+
+Internal to synflow (not part of :mod:`synflow.api`). Every process of the
+default deployment gets:
+
+* the stores and the per-process caches, invalidated by the ``caches``
+  stream and by membership changes on the ``events`` stream, and the shared
+  cache tier when ``caches.tier`` is set;
+* an event persister for the rooms it owns if it is listed in
+  ``stream_writers.events`` (``persist_events`` over internal RPC);
+* the event router and the sync handler;
+* the client API on a ``client`` listener and inbound federation (behind the
+  signature check) on a ``federation`` listener, where the config names them.
+
+Each built-in worker type adds its own role in :meth:`Homeserver.build_role`.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from twisted.application.service import Service
+
+from synflow.caching import CacheRegistry, open_tier, tier_prefix
+from synflow.events.persist import EventPersister, PersistResult
+from synflow.events.router import EventRouter, serve_persist
+from synflow.events.sync import SyncHandler
+from synflow.federation.auth import (
+    FEDERATION_PREFIX,
+    FEDERATION_SEND_PREFIX,
+    KEY_PATH,
+    FederationAuthResource,
+    ServerKeyResource,
+    require_origin,
+)
+from synflow.federation.edus import EduQueue
+from synflow.federation.keyring import KeyRing, pinned_keys
+from synflow.federation.keys import load_or_create_signing_key
+from synflow.federation.missing_events import (
+    GET_MISSING_EVENTS_PREFIX,
+    MissingEventsResource,
+    SqlMissingEventsStore,
+)
+from synflow.federation.transport import TreqFederationTransport
+from synflow.federation.worker import inbound_handler
+from synflow.framework import ProcessContext, WorkerType
+from synflow.http.client_api import PREFIX as CLIENT_PREFIX
+from synflow.http.client_api import ClientApi
+from synflow.listeners import serving
+from synflow.storage.stores import DataStore
+from synflow.streams import EVENTS
+from synflow.tokens import StreamToken
+
+
+class _Closer(Service):
+    def __init__(self, close: Any) -> None:
+        self.close = close
+
+    def stopService(self) -> Any:
+        super().stopService()
+        return self.close()
+
+
+class Homeserver(WorkerType):
+    """The shared base of the built-in worker types (see the module docstring)."""
+
+    #: Whether this type signs outbound federation requests even without a ``federation`` listener.
+    signs_federation: bool = False
+
+    ctx: ProcessContext
+    store: DataStore
+    persister: EventPersister | None = None
+    router: EventRouter
+    sync: SyncHandler
+    client_api: ClientApi | None = None
+    federation_inbound: Any = None
+    missing_events: MissingEventsResource | None = None
+    edu_queue: EduQueue | None = None
+    signing_key: Any = None
+    keyring: KeyRing
+
+    async def build(self, ctx: ProcessContext) -> None:
+        self.ctx = ctx
+        config = ctx.config
+        me = config.instance_name
+        event_writers = config.writers_of(EVENTS)
+        await ctx.instances.ids_for(sorted(ctx.handler.positions(EVENTS.name)))
+        self.store = DataStore(ctx.db)
+        self.setup_caches(ctx)
+        if me in event_writers:
+            self.persister = EventPersister(
+                ctx.writers, server_name=config.server_name, instance_name=me,
+                event_writers=event_writers, clock=ctx.clock, new_event_id=self.new_event_id,
+            )
+            serve_persist(ctx.rpc, self.persister)
+            ctx.add_drain(self.persister.drain)
+        self.router = EventRouter(me, event_writers, self.persister, ctx.rpc_client, ctx.clock)
+        self.sync = SyncHandler(self.store, ctx.handler, ctx.instances, ctx.clock, ctx.audit)
+        if serving(config, "federation") is not None or self.signs_federation:
+            self.signing_key = load_or_create_signing_key(config.signing_key_file)
+        if serving(config, "federation") is not None:
+            self.setup_federation_inbound(ctx)
+        await self.build_role(ctx)
+        if serving(config, "client") is not None:
+            self.client_api = ClientApi(config.server_name, self.store, self.sync, self.router.persist,
+                                        self.event_position, ctx.clock, config.limits, queue_edus=self.queue_edus)
+            ctx.listen("client", CLIENT_PREFIX, self.client_api)
+
+    async def build_role(self, ctx: ProcessContext) -> None:
+        """What this worker type adds (subclasses)."""
+
+    def setup_federation_inbound(self, ctx: ProcessContext) -> None:
+        """Inbound ``/send`` and ``get_missing_events`` behind the signature check, and the key server."""
+        config = ctx.config
+        allowed = self.allowed_origins()
+        client = TreqFederationTransport.from_config(ctx.reactor, config.federation,
+                                                     server_name=config.server_name, signing_key=self.signing_key)
+        self.keyring = KeyRing(client.get_server_keys, ctx.clock, pinned_keys(config.federation.trusted_keys))
+        self.federation_inbound = inbound_handler(
+            ctx.db, self.router, ctx.handler,
+            allowed_origins=allowed,
+            max_body_bytes=config.federation.max_body_bytes, max_json_depth=config.limits.max_json_depth,
+            clock=ctx.clock,
+            missing_events=client,
+        )
+        self.missing_events = MissingEventsResource(
+            SqlMissingEventsStore(ctx.db, config.server_name), allowed_origins=allowed,
+            max_json_depth=config.limits.max_json_depth, origin_of=require_origin,
+        )
+        endpoints = {FEDERATION_SEND_PREFIX: self.federation_inbound.resource(origin_of=require_origin),
+                     GET_MISSING_EVENTS_PREFIX: self.missing_events}
+        ctx.listen("federation", FEDERATION_PREFIX,
+                   FederationAuthResource(config.server_name, self.keyring, endpoints, allowed))
+        ctx.listen("federation", KEY_PATH, ServerKeyResource(config.server_name, self.signing_key, ctx.clock))
+
+    def allowed_origins(self) -> list[str]:
+        """``federation.allowed_origins``, else the servers listed in ``federation.destinations``."""
+        federation = self.ctx.config.federation
+        return federation.allowed_origins if federation.allowed_origins is not None else sorted(federation.destinations)
+
+    def setup_caches(self, ctx: ProcessContext) -> None:
+        """Per-process caches, the shared tier (if configured), and their invalidation."""
+        config = ctx.config
+        self.tier = open_tier(ctx.reactor, config.caches, tier_prefix(config.server_name))
+        self.caches = CacheRegistry(
+            config.caches, tier=self.tier, clock=ctx.clock,
+            position_source=lambda: ctx.position("caches"),
+        )
+        self.caches.register(self.store)
+        ctx.on_rows("caches", self.caches.row_handler)
+        # A membership change invalidates the membership caches as soon as its
+        # event is applied -- before the events position passes it -- so no
+        # read at that position can see the old membership.
+        ctx.on_rows(EVENTS.name, self.caches.events_row_handler)
+        if self.tier is not None:
+            ctx.add_service(_Closer(self.tier.close))
+
+    async def queue_edus(self, edus: list[tuple[str, str, dict[str, Any]]]) -> None:
+        """Queue EDUs on the master's federation stream (directly, or over RPC)."""
+        if self.edu_queue is not None:
+            await self.edu_queue.queue(edus)
+        else:
+            await self.ctx.rpc_client.call("master", "queue_edus", {"edus": [list(e) for e in edus]})
+
+    def new_event_id(self) -> str:
+        return f"${secrets.token_urlsafe(18)}:{self.ctx.config.server_name}"
+
+    async def event_position(self, result: PersistResult) -> StreamToken:
+        """A sync token just before a persisted event (a sync from it returns the event)."""
+        assert result.stream_ordering is not None
+        now, _ = await self.sync.current_token()
+        ids = await self.ctx.instances.ids_for([result.instance_name])
+        before = result.stream_ordering - 1
+        positions = dict(now.positions)
+        positions[ids[result.instance_name]] = before
+        return StreamToken.with_minimum(min(now.minimum, before), positions)
