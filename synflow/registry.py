@@ -201,12 +201,13 @@ def _load_stream(found: _Found) -> StreamDef:
 
 
 def _check_sections(plugins: Plugins) -> None:
-    claimed: dict[str, str] = {}
+    claimed: dict[str, tuple[str, type]] = {}
     for name, cls in plugins.apps.items():
         _check_section(cls, f"worker type {name!r} ({plugins.origin[f'app:{name}']})", _core_keys(), claimed)
 
 
-def _check_section(cls: type[WorkerType], what: str, core: frozenset[str], claimed: dict[str, str]) -> None:
+def _check_section(cls: type[WorkerType], what: str, core: frozenset[str],
+                   claimed: dict[str, tuple[str, type]]) -> None:
     section = cls.config
     if section is None:
         return
@@ -215,9 +216,9 @@ def _check_section(cls: type[WorkerType], what: str, core: frozenset[str], claim
     if not attrs.has(section.type):
         raise PluginError(f"{what}: its config section type {section.type!r} is not an attrs class")
     other = claimed.get(section.key)
-    if other is not None and other != what:
-        raise PluginError(f"{what}: config section {section.key!r} is already claimed by {other}")
-    claimed[section.key] = what
+    if other is not None and other[1] is not section.type:
+        raise PluginError(f"{what}: config section {section.key!r} is already claimed by {other[0]}")
+    claimed[section.key] = (what, section.type)
 
 
 def _check_reserved(plugins: Plugins) -> None:
@@ -299,7 +300,7 @@ def check_app(config: SynflowConfig, error: Callable[[str, str], Exception]) -> 
     if ":" in config.app:
         try:
             _check_section(cls, f"worker type {config.app!r}", _core_keys(),
-                           {key: "a registered worker type" for key in config_sections()})
+                           {key: ("a registered worker type", t) for key, t in config_sections().items()})
         except PluginError as e:
             raise error("app", str(e)) from None
     reserved = {t.reserved_instance_name: n for n, t in plugins.apps.items() if t.reserved_instance_name}
