@@ -17,7 +17,7 @@ started, served and stopped by the bootstrap.
 from __future__ import annotations
 
 import enum
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import attrs
@@ -27,6 +27,8 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorCore, IReactorTime
 from twisted.web.resource import IResource
 
+from synflow.errors import ShardingError
+from synflow.sharding import shard_for
 from synflow.streams import StreamDef, Writers
 
 if TYPE_CHECKING:
@@ -35,7 +37,7 @@ if TYPE_CHECKING:
     from synflow.replication.handler import ReplicationHandler
     from synflow.replication.rpc import RpcClient, RpcServer
     from synflow.storage.engines import Database
-    from synflow.storage.id_generators import StreamWriters
+    from synflow.storage.id_generators import StreamWriteContext, StreamWriters
     from synflow.storage.instances import InstanceMap
 
 __all__ = ["Capability", "ProcessContext", "Section", "WorkerType"]
@@ -89,7 +91,9 @@ class WorkerType:
     * ``reserved_instance_name`` -- if set, its process must use this
       ``instance_name`` and no other type may;
     * ``requires_instance_map`` -- whether its process must be listed in
-      ``instance_map`` (its internal RPC address).
+      ``instance_map`` (its internal RPC address);
+    * ``schema`` -- a directory of its own migrations (namespace
+      ``app:<name>``), for tables no stream declares.
     """
 
     name: ClassVar[str]
@@ -100,6 +104,7 @@ class WorkerType:
     capabilities: ClassVar[frozenset[Capability]] = frozenset()
     reserved_instance_name: ClassVar[str | None] = None
     requires_instance_map: ClassVar[bool] = True
+    schema: ClassVar[str | None] = None
 
     @classmethod
     def check_config(cls, config: SynflowConfig, error: Callable[[str, str], Exception]) -> None:
@@ -220,6 +225,45 @@ class ProcessContext:
     def position(self, stream: str) -> int:
         """The lowest position every writer of ``stream`` has reached (all of it is visible)."""
         return min(self.handler.positions(stream).values(), default=0)
+
+    def writer_for(self, stream: StreamDef, key: str) -> str:
+        """The instance that writes ``stream``'s rows whose shard key is ``key`` (``shard_for`` over its writers)."""
+        return shard_for(key, self.config.writers_of(stream))
+
+    async def write_rows(self, stream: StreamDef, rows: Sequence[Any]) -> list[int]:
+        """Insert ``rows`` into ``stream``'s table in one transaction; their stream IDs, once committed.
+
+        Each row is stored as ``(id, instance, *row_to_db(row))`` in the
+        stream's ``id_column``, ``instance_column`` and ``select`` columns, and
+        announced to every process once its ID is visible (the ID generator
+        completes it after the commit, in order). For other SQL in the same
+        transaction use ``writers.run_write`` directly.
+
+        Raises:
+            ShardingError: a sharded stream's row whose shard this process does not own.
+            ValueError: this process does not write ``stream``.
+        """
+        if not self.writes(stream):
+            raise ValueError(f"{self.config.instance_name!r} does not write stream {stream.name!r}")
+        me = self.config.instance_name
+        if stream.shard_key is not None and stream.writers is Writers.CONFIGURED:
+            for row in rows:
+                owner = self.writer_for(stream, stream.shard_key(row))
+                if owner != me:
+                    raise ShardingError(f"{stream.name} row for {stream.shard_key(row)!r} belongs to {owner!r}, not {me!r}")
+        columns = (stream.id_column, stream.instance_column, *stream.select)
+        sql = (f"INSERT INTO {stream.table} ({', '.join(columns)}) "
+               f"VALUES ({', '.join('?' for _ in columns)})")
+
+        def write_txn(w: StreamWriteContext) -> list[int]:
+            ids = w.allocate(stream.name, len(rows))
+            for stream_id, row in zip(ids, rows, strict=True):
+                w.txn.execute(sql, (stream_id, me, *stream.row_to_db(row)))
+                w.add_rows(stream.name, stream_id, [row],
+                           room_id=stream.shard_key(row) if stream.shard_key is not None else None)
+            return ids
+
+        return await self.writers.run_write(f"write_{stream.name}", [stream.name], write_txn)
 
 
 def writer_kind(stream: StreamDef) -> str:

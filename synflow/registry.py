@@ -274,6 +274,16 @@ def streams() -> dict[str, StreamDef]:
     return dict(discover().streams)
 
 
+def plugin_schemas(config: SynflowConfig) -> dict[str, str]:
+    """Every plugin migration directory this process knows, by namespace (``stream:<name>``, ``app:<name>``)."""
+    plugins = discover()
+    schemas = {f"stream:{name}": s.schema for name, s in plugins.streams.items() if s.schema is not None}
+    for cls in (*plugins.apps.values(), worker_type_for(config)):
+        if cls.schema is not None:
+            schemas[f"app:{cls.name}"] = cls.schema
+    return schemas
+
+
 def config_sections() -> dict[str, type]:
     """Every worker type's config section: top-level key -> attrs class."""
     return {cls.config.key: cls.config.type for cls in discover().apps.values() if cls.config is not None}

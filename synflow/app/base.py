@@ -1,11 +1,12 @@
-"""What every synflow process does at start-up, whatever its app type.
+"""What every synflow process does at start-up, whatever its worker type.
 
 :class:`ProcessService` is the root service of a process. Its
 ``startService`` returns at once and runs the start-up asynchronously: open
 the database; in a process whose worker type declares
 :attr:`~synflow.framework.Capability.MIGRATIONS` (the master) apply
-migrations, elsewhere wait (bounded) for them; load instance IDs; assemble
-replication; then let the worker type add its own services (:meth:`ProcessService.setup_app`),
+synflow's migrations, elsewhere wait (bounded) for them; apply the plugins'
+migrations not yet applied (each in its namespace, under the schema lock);
+load instance IDs; assemble replication of every registered stream; then let the worker type add its own services (:meth:`ProcessService.setup_app`),
 beside a :class:`~synflow.app.services.DatabaseProbe` that ``/health`` reads.
 If start-up fails, the reason is logged in one line and the process exits
 non-zero. ``stopService`` stops the app's services, then replication (which
@@ -34,7 +35,7 @@ from synflow.framework import Capability
 from synflow.storage.createdb import ensure_database_txn
 from synflow.storage.engines import Database, DatabaseConfig
 from synflow.storage.instances import InstanceMap
-from synflow.storage.prepare import prepare_database, wait_for_schema
+from synflow.storage.prepare import prepare_database, prepare_plugin_schemas, wait_for_schema
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,9 @@ class ProcessService(MultiService):
         else:
             version = await wait_for_schema(db, self.reactor)
         logger.info("%s %r: database schema at version %s", self.worker_type.name, config.instance_name, version)
+        plugin_versions = await prepare_plugin_schemas(db, registry.plugin_schemas(config))
+        if plugin_versions:
+            logger.info("plugin schemas: %s", ", ".join(f"{n} at {v}" for n, v in sorted(plugin_versions.items())))
         self.instances = InstanceMap(db, self.audit)
         await self.instances.load()
         self.replication = await setup_replication(config, self.reactor, db, audit=self.audit)

@@ -23,12 +23,21 @@ transaction, holding a lock that serialises migrating processes
 ``BEGIN IMMEDIATE`` takes on SQLite), and rechecks the version under it, so
 two masters racing apply every file once. :func:`wait_for_schema` is what
 workers run instead: it polls until the master has done its part.
+
+A plugin's migrations (a stream's or a worker type's ``schema`` directory,
+same file rules) live in their own **namespace**: their versions are
+recorded in ``plugin_schema_version(namespace, version, applied_at)``, so
+they never collide with synflow's or another plugin's. Every process applies
+the namespaces of the plugins it knows once synflow's own schema is there
+(:func:`prepare_plugin_schemas`), under the same lock: whichever process gets
+there first applies a file, the others find it applied.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple, cast
 
@@ -51,6 +60,11 @@ _ENGINES = ("sqlite", "postgres")
 CREATE_VERSION_TABLE = (
     "CREATE TABLE IF NOT EXISTS schema_version ("
     " version INTEGER NOT NULL PRIMARY KEY, applied_at BIGINT NOT NULL)"
+)
+CREATE_PLUGIN_VERSION_TABLE = (
+    "CREATE TABLE IF NOT EXISTS plugin_schema_version ("
+    " namespace TEXT NOT NULL, version INTEGER NOT NULL, applied_at BIGINT NOT NULL,"
+    " PRIMARY KEY (namespace, version))"
 )
 
 
@@ -162,16 +176,23 @@ def latest_version(schema_dir: str | os.PathLike[str] | None = None) -> int:
     return files[-1].version if files else 0
 
 
-def current_version(db: Database) -> Deferred[int | None]:
-    """The database's schema version: None before :func:`prepare_database` ran, else ≥ 0."""
-    return db.run_interaction("schema_current_version", _current_version_txn, idempotent=True)
+def current_version(db: Database, namespace: str | None = None) -> Deferred[int | None]:
+    """The database's schema version (of a plugin ``namespace``): None before any was applied, else ≥ 0."""
+    return db.run_interaction("schema_current_version", _current_version_txn, namespace, idempotent=True)
 
 
-def _current_version_txn(txn: Txn) -> int | None:
-    if not txn.engine.table_exists_txn(txn, "schema_version"):
-        return None
-    txn.execute("SELECT MAX(version) FROM schema_version")
+def _current_version_txn(txn: Txn, namespace: str | None = None) -> int | None:
+    if namespace is None:
+        if not txn.engine.table_exists_txn(txn, "schema_version"):
+            return None
+        txn.execute("SELECT MAX(version) FROM schema_version")
+    else:
+        if not txn.engine.table_exists_txn(txn, "plugin_schema_version"):
+            return None
+        txn.execute("SELECT MAX(version) FROM plugin_schema_version WHERE namespace = ?", (namespace,))
     row = txn.fetchone()
+    if namespace is not None and (not row or row[0] is None):
+        return None
     return int(row[0]) if row and row[0] is not None else 0
 
 
@@ -189,7 +210,7 @@ def _newer_error(found: int, code: int) -> SchemaVersionError:
 
 
 def prepare_database(db: Database, *, apply: bool, schema_dir: str | os.PathLike[str] | None = None,
-                     target: int | None = None) -> Deferred[int]:
+                     target: int | None = None, namespace: str | None = None) -> Deferred[int]:
     """Bring the schema up to date (``apply=True``, the master) or check it is.
 
     Args:
@@ -197,6 +218,8 @@ def prepare_database(db: Database, *, apply: bool, schema_dir: str | os.PathLike
         apply: apply pending migrations; when False only check that none is pending.
         schema_dir: the migrations; None for synflow's own.
         target: stop after this version instead of the latest (for tests and tools).
+        namespace: a plugin's namespace (``schema_dir`` is then the plugin's);
+            None for synflow's own schema.
 
     Returns:
         A Deferred firing with the schema version afterwards.
@@ -207,17 +230,35 @@ def prepare_database(db: Database, *, apply: bool, schema_dir: str | os.PathLike
         StorageError: if a migration fails; the message names the file and
             statement. Versions before it stay applied.
     """
-    return Deferred.fromCoroutine(_prepare(db, apply, schema_dir, target))
+    return Deferred.fromCoroutine(_prepare(db, apply, schema_dir, target, namespace))
+
+
+def prepare_plugin_schemas(db: Database, schemas: Mapping[str, str | os.PathLike[str]]) -> Deferred[dict[str, int]]:
+    """Apply each plugin namespace's pending migrations (``schemas``: namespace -> directory), in name order.
+
+    Returns:
+        A Deferred firing with each namespace's version afterwards.
+    """
+
+    async def run() -> dict[str, int]:
+        versions = {}
+        for namespace in sorted(schemas):
+            versions[namespace] = await _prepare(db, True, schemas[namespace], None, namespace)
+        return versions
+
+    return Deferred.fromCoroutine(run())
 
 
 async def _prepare(db: Database, apply: bool, schema_dir: str | os.PathLike[str] | None,
-                   target: int | None) -> int:
+                   target: int | None, namespace: str | None = None) -> int:
+    if namespace is not None and schema_dir is None:
+        raise StorageError(f"plugin schema namespace {namespace!r} needs its own schema directory")
     files = schema_files(schema_dir, db.engine.name)
     code = files[-1].version if files else 0
     goal = code if target is None else target
     if goal > code:
         raise StorageError(f"target schema version {goal} is beyond the latest file ({code})")
-    current = await current_version(db)
+    current = await current_version(db, namespace)
     if current is not None and current > code:
         raise _newer_error(current, code)
     if not apply:
@@ -227,7 +268,7 @@ async def _prepare(db: Database, apply: bool, schema_dir: str | os.PathLike[str]
                 f"this code needs {goal}; only the master applies migrations"
             )
         return current or 0
-    await db.run_interaction("schema_create_version_table", _create_version_table_txn)
+    await db.run_interaction("schema_create_version_table", _create_version_table_txn, namespace)
     for f in files:
         if f.version > goal:
             break
@@ -236,25 +277,24 @@ async def _prepare(db: Database, apply: bool, schema_dir: str | os.PathLike[str]
         statements = split_sql(f.path.read_text(encoding="utf-8"), db.engine.name)
         now_ms = int(_now(db.clock) * 1000)
         applied = await db.run_interaction(
-            f"schema_migrate_{f.version:04d}", _apply_migration_txn, f, statements, code, now_ms
+            f"schema_migrate_{f.version:04d}", _apply_migration_txn, f, statements, code, now_ms, namespace
         )
         if applied:
-            log.info("Applied schema migration {file} ({n} statements)", file=f.path.name,
-                     n=len(statements))
-    final = await current_version(db)
-    assert final is not None
-    return final
+            log.info("Applied schema migration {file} ({n} statements){where}", file=f.path.name,
+                     n=len(statements), where=f" of {namespace}" if namespace else "")
+    final = await current_version(db, namespace)
+    return final or 0
 
 
-def _create_version_table_txn(txn: Txn) -> None:
+def _create_version_table_txn(txn: Txn, namespace: str | None = None) -> None:
     txn.engine.lock_schema_txn(txn)
-    txn.execute_raw(CREATE_VERSION_TABLE)
+    txn.execute_raw(CREATE_VERSION_TABLE if namespace is None else CREATE_PLUGIN_VERSION_TABLE)
 
 
 def _apply_migration_txn(txn: Txn, f: SchemaFile, statements: list[str], code: int,
-                         now_ms: int) -> bool:
+                         now_ms: int, namespace: str | None = None) -> bool:
     txn.engine.lock_schema_txn(txn)
-    current = _current_version_txn(txn)
+    current = _current_version_txn(txn, namespace)
     if current is not None and current > code:
         raise _newer_error(current, code)
     if current is not None and current >= f.version:
@@ -265,12 +305,16 @@ def _apply_migration_txn(txn: Txn, f: SchemaFile, statements: list[str], code: i
         except Exception as e:
             lines = [ln for ln in statement.splitlines() if ln.strip() and not ln.lstrip().startswith("--")]
             first_line = (lines or [statement])[0].strip()[:80]
+            where = f" of {namespace}" if namespace else ""
             raise StorageError(
-                f"schema migration {f.path.name} failed at statement {i} ({first_line!r}): "
+                f"schema migration {f.path.name}{where} failed at statement {i} ({first_line!r}): "
                 f"{type(e).__name__}: {str(e).strip()}"
             ) from e
-    txn.execute("INSERT INTO schema_version (version, applied_at) VALUES (?, ?)",
-                (f.version, now_ms))
+    if namespace is None:
+        txn.execute("INSERT INTO schema_version (version, applied_at) VALUES (?, ?)", (f.version, now_ms))
+    else:
+        txn.execute("INSERT INTO plugin_schema_version (namespace, version, applied_at) VALUES (?, ?, ?)",
+                    (namespace, f.version, now_ms))
     return True
 
 

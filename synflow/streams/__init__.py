@@ -176,6 +176,8 @@ class StreamDef:
         schema: a directory of the stream's own migrations (see
             ``synflow/storage/prepare.py``); None when its tables come from
             elsewhere (synflow's own schema for the built-ins).
+        row_to_db: the values of the ``select`` columns for a row (default:
+            ``row.to_wire()``), used by ``ProcessContext.write_rows``.
         recover_audit: called as ``recover_audit(db, audit, instance_name)``
             (returning an awaitable) when a writer of the stream starts, to
             re-record rows a crash committed without their audit records;
@@ -197,6 +199,7 @@ class StreamDef:
     default_writers: tuple[str, ...] = ()
     schema: str | None = None
     recover_audit: Callable[[Any, Any, str], Awaitable[int]] | None = None
+    row_to_db: Callable[[Any], Sequence[Any]] = lambda row: row.to_wire()
 
 
 def _constructor(row_type: type) -> Callable[[tuple[Any, ...]], Any]:
