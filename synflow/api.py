@@ -33,7 +33,7 @@ import attrs
 from synflow.audit import AuditLog
 from synflow.config import SynflowConfig
 from synflow.errors import ConfigError, HttpApiError, PluginError
-from synflow.framework import Capability, ProcessContext, Section, WorkerType
+from synflow.framework import Capability, ProcessContext, Section, StreamFollower, WorkerType
 from synflow.http.server import JsonResource
 from synflow.replication.handler import ReplicationHandler
 from synflow.replication.rpc import RpcClient, RpcServer
@@ -61,6 +61,7 @@ __all__ = [
     "Section",
     "Stream",
     "StreamRowError",
+    "StreamFollower",
     "StreamToken",
     "StreamWriteContext",
     "StreamWriters",

@@ -17,6 +17,7 @@ started, served and stopped by the bootstrap.
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -27,7 +28,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorCore, IReactorTime
 from twisted.web.resource import IResource
 
-from synflow.errors import ShardingError
+from synflow.errors import HttpApiError, ShardingError
 from synflow.sharding import shard_for
 from synflow.streams import StreamDef, Writers
 
@@ -40,7 +41,9 @@ if TYPE_CHECKING:
     from synflow.storage.id_generators import StreamWriteContext, StreamWriters
     from synflow.storage.instances import InstanceMap
 
-__all__ = ["Capability", "ProcessContext", "Section", "WorkerType"]
+__all__ = ["Capability", "ProcessContext", "Section", "StreamFollower", "WorkerType"]
+
+logger = logging.getLogger(__name__)
 
 S = TypeVar("S")
 
@@ -132,6 +135,21 @@ class WorkerType:
         return any(s.name == stream.name for s in cls.writes)
 
 
+class _Starter(Service):
+    """Runs a coroutine function when started; a failure is logged."""
+
+    def __init__(self, start: Callable[[], Awaitable[None]]) -> None:
+        self.start = start
+
+    def startService(self) -> None:
+        super().startService()
+
+        async def run() -> None:
+            await self.start()
+
+        Deferred.fromCoroutine(run()).addErrback(lambda f: logger.error("start-up task failed: %s", f.getTraceback()))
+
+
 class _Drain(Service):
     """Runs a drain function when stopped (stopped first: services stop in reverse)."""
 
@@ -141,6 +159,78 @@ class _Drain(Service):
     def stopService(self) -> Deferred[Any] | None:
         super().stopService()
         return self.drain()
+
+
+class StreamFollower:
+    """Hands a consumer every row of one stream exactly once, in order per writer, across restarts.
+
+    Made by :meth:`ProcessContext.follow`. The consumer keeps, with its own
+    state, the position it has applied per writer (``since``) and stores it
+    in the same transaction as what it derives from the rows. At start the
+    follower reads what was written after those positions from the stream's
+    table (the catch-up source), then the live rows; live rows that arrive
+    during the catch-up wait, and rows at or below a writer's applied
+    position are skipped, so nothing is applied twice or missed.
+
+    Attributes:
+        positions: the position applied per writer.
+        caught_up: fires once the start-up catch-up is applied.
+    """
+
+    def __init__(self, ctx: ProcessContext, stream: str,
+                 apply: Callable[[str, int, list[Any]], Awaitable[None] | None], since: Mapping[str, int]) -> None:
+        self.ctx = ctx
+        self.stream = stream
+        self.apply = apply
+        self.positions: dict[str, int] = dict(since)
+        self.caught_up: Deferred[None] = Deferred()
+        self._queue: list[tuple[str, int, list[Any]]] = []
+        self._busy = True  # until the catch-up is applied
+        ctx.on_rows(stream, self._on_rows)
+
+    def _on_rows(self, writer: str, token: int, rows: list[Any]) -> None:
+        self._queue.append((writer, token, rows))
+        if not self._busy:
+            self._busy = True
+            Deferred.fromCoroutine(self._drain()).addErrback(self._failed)
+
+    async def start(self) -> None:
+        """Apply what each writer wrote after ``since`` up to its current position, then the live rows."""
+        try:
+            source = self.ctx.handler.sources[self.stream]
+            for writer, upto in sorted(self.ctx.handler.positions(self.stream).items()):
+                start = self.positions.get(writer, 0)
+                while start < upto:
+                    updates, reached, limited = await source.get_updates(writer, start, upto)
+                    for token, row in updates:
+                        await self._apply(writer, token, [row])
+                    start = reached
+                    if not limited:
+                        break
+            await self._drain()
+        except Exception:
+            self._busy = False
+            raise
+        self.caught_up.callback(None)
+
+    async def _drain(self) -> None:
+        try:
+            while self._queue:
+                writer, token, rows = self._queue.pop(0)
+                await self._apply(writer, token, rows)
+        finally:
+            self._busy = False
+
+    async def _apply(self, writer: str, token: int, rows: list[Any]) -> None:
+        if token <= self.positions.get(writer, 0):
+            return
+        result = self.apply(writer, token, rows)
+        if result is not None:
+            await result
+        self.positions[writer] = token
+
+    def _failed(self, failure: Any) -> None:
+        logger.error("following %s failed: %s", self.stream, failure.getTraceback())
 
 
 @attrs.define(eq=False)
@@ -179,6 +269,7 @@ class ProcessContext:
     #: HTTP resources by listener resource name, then path prefix.
     resources: dict[str, dict[str, IResource]] = attrs.Factory(dict)
     health_checks: list[Callable[[], str | None]] = attrs.Factory(list)
+    _store: Any = attrs.field(default=None, init=False)
 
     def section(self, cls: type[S]) -> S:
         """This process's config section of type ``cls`` (its defaults if the files have none)."""
@@ -205,6 +296,37 @@ class ProcessContext:
     def on_command(self, command: type, callback: Callable[[Any, Any], object]) -> None:
         """Call ``callback(connection, command)`` for each replication command of class ``command``."""
         self.handler.add_command_listener(command, callback)
+
+    def follow(self, stream: str, apply: Callable[[str, int, list[Any]], Awaitable[None] | None],
+               since: Mapping[str, int]) -> StreamFollower:
+        """Apply every row of ``stream`` after ``since`` (per writer) once, in order: catch-up first, then live.
+
+        ``apply(writer, position, rows)`` may return an awaitable; the next
+        batch waits for it. The catch-up starts with the process.
+        """
+        follower = StreamFollower(self, stream, apply, since)
+        self.add_service(_Starter(follower.start))
+        return follower
+
+    async def requester(self, request: Any) -> str:
+        """The user ID an HTTP request's ``Authorization: Bearer`` access token belongs to.
+
+        Raises:
+            HttpApiError: 401 ``M_MISSING_TOKEN`` or ``M_UNKNOWN_TOKEN``.
+        """
+        from synflow.http.server import bearer_token
+        from synflow.storage.stores import DataStore
+
+        token = bearer_token(request)
+        if token is None:
+            raise HttpApiError(401, "M_MISSING_TOKEN", "missing access token (Authorization: Bearer <token>)")
+        if self._store is None:
+            self._store = DataStore(self.db)
+        found = await self._store.get_user_by_access_token(token)
+        if found is None:
+            raise HttpApiError(401, "M_UNKNOWN_TOKEN", "unknown access token")
+        request.synflow_user = found.user_id  # for the access log
+        return str(found.user_id)
 
     def add_service(self, service: IService) -> None:
         """Start ``service`` with the process and stop it (before replication) at shutdown."""

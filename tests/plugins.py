@@ -10,6 +10,7 @@ it all and rereads the registry again.
 from __future__ import annotations
 
 import importlib
+import re
 import os
 import sys
 import textwrap
@@ -90,3 +91,34 @@ def install_fake_distribution(testcase: Any, dist: str, modules: Mapping[str, st
 
     testcase.addCleanup(remove)
     return root
+
+
+FRAMEWORK_DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "framework.md")
+_FENCE = re.compile(r"^```[a-z]*\n(.*?)^```", re.S | re.M)
+_FILE_MARK = re.compile(r"^(?:#|--) file: (\S+)\n")
+
+
+def tutorial_files(doc: str = FRAMEWORK_DOC) -> dict[str, str]:
+    """The files docs/framework.md's tutorial builds: each code block starting ``# file: <path>`` (or ``-- file:``).
+
+    Blocks naming one path are joined in order (a module written in steps).
+    """
+    with open(doc, encoding="utf-8") as f:
+        text = f.read()
+    files: dict[str, str] = {}
+    for block in _FENCE.findall(text):
+        mark = _FILE_MARK.match(block)
+        if mark is not None:
+            files[mark.group(1)] = files.get(mark.group(1), "") + ("\n\n" if mark.group(1) in files else "") + block
+    return files
+
+
+def write_tutorial_package(directory: str) -> dict[str, str]:
+    """Write the tutorial's files under ``directory``; returns them."""
+    files = tutorial_files()
+    for path, content in files.items():
+        full = os.path.join(directory, path)
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        with open(full, "w", encoding="utf-8") as f:
+            f.write(content)
+    return files

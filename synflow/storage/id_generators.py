@@ -93,6 +93,21 @@ def last_allocated_txn(txn: Txn, stream: StreamDef) -> int:
     return int(row[0])
 
 
+def ensure_sequence_txn(txn: Txn, stream: StreamDef) -> None:
+    """Create the stream's ID sequence if it is missing (its first ID is 2, as synflow's own streams').
+
+    A plugin stream's migrations create only its table; the framework owns
+    its sequence (``stream.sequence`` on PostgreSQL, a ``stream_sequences``
+    row on SQLite).
+    """
+    txn.engine.lock_schema_txn(txn)  # concurrent CREATE SEQUENCE IF NOT EXISTS can still collide
+    if txn.engine.name == "postgres":
+        txn.execute(f"CREATE SEQUENCE IF NOT EXISTS {stream.sequence} START WITH 2")
+    else:
+        txn.execute("INSERT INTO stream_sequences (stream_name, last_id) VALUES (?, 1) "
+                    "ON CONFLICT (stream_name) DO NOTHING", (stream.name,))
+
+
 def bump_sequence_txn(txn: Txn, stream: StreamDef, at_least: int) -> None:
     """Make the sequence's next ID greater than ``at_least``."""
     if txn.engine.name == "postgres":

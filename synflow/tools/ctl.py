@@ -122,11 +122,15 @@ PROCESS_KEYS = ("app", "instance_name")
 
 
 def discover(directory: str, extra: list[str]) -> list[Proc]:
-    """The processes of a deployment directory, master first.
+    """The processes of a deployment directory, the migrating one (the master) first.
 
     Args:
         directory: holds ``shared.yaml`` and one file per process.
-        extra: config files appended to every process's list.
+        extra: config files appended to every process's list. A directory
+            here is an **overlay deployment** (a plugin package's
+            ``workers/``, say): its ``shared.yaml``, if any, is appended to
+            every process's list, and each of its process files adds a
+            process.
 
     Raises:
         ConfigError: naming the file (and key) of broken YAML, an unknown
@@ -136,8 +140,37 @@ def discover(directory: str, extra: list[str]) -> list[Proc]:
     shared = os.path.join(directory, "shared.yaml")
     if not os.path.exists(shared):
         raise ConfigError(f"no shared.yaml in {directory!r}", path=directory)
-    known = sorted(core_keys() | set(registry.config_sections()))
+    overlays = [e for e in extra if os.path.isdir(e)]
+    files_after: list[str] = []
+    for e in extra:
+        if os.path.isdir(e):
+            if os.path.exists(os.path.join(e, "shared.yaml")):
+                files_after.append(os.path.join(e, "shared.yaml"))
+        else:
+            files_after.append(e)
     procs = []
+    for process_dir in (directory, *overlays):
+        for path in _process_files(process_dir):
+            files = (shared, path, *files_after)
+            config = load_config(list(files))
+            procs.append(Proc(config.instance_name, files, config))
+    if not procs:
+        raise ConfigError(f"no process files (YAML with an 'app' key) in {directory!r}", path=directory)
+    names = [p.name for p in procs]
+    for proc in procs:
+        if names.count(proc.name) > 1:
+            raise ConfigError(f"instance_name {proc.name!r} is used by two process files", path=proc.files[1],
+                              key="instance_name")
+    order = [name for name, _ in registry.sorted_for_start((p.name, p.config) for p in procs)]
+    procs.sort(key=lambda p: order.index(p.name))
+    _check_ports(procs)
+    return procs
+
+
+def _process_files(directory: str) -> list[str]:
+    """The process files of ``directory`` (YAML with ``app`` or ``instance_name``), their keys checked."""
+    known = sorted(core_keys() | set(registry.config_sections()))
+    found = []
     for entry in sorted(os.listdir(directory)):
         path = os.path.join(directory, entry)
         if not entry.endswith((".yaml", ".yml")) or entry == "shared.yaml":
@@ -153,15 +186,8 @@ def discover(directory: str, extra: list[str]) -> list[Proc]:
         if "app" not in data:
             apps = ", ".join(sorted(registry.discover().apps))
             raise ConfigError(f"is required in a process file (one of {apps}, or package.module:Class)", path=path, key="app")
-        files = (shared, path, *extra)
-        config = load_config(list(files))
-        procs.append(Proc(config.instance_name, files, config))
-    if not procs:
-        raise ConfigError(f"no process files (YAML with an 'app' key) in {directory!r}", path=directory)
-    order = [name for name, _ in registry.sorted_for_start((p.name, p.config) for p in procs)]
-    procs.sort(key=lambda p: order.index(p.name))
-    _check_ports(procs)
-    return procs
+        found.append(path)
+    return found
 
 
 def _ports(proc: Proc) -> list[tuple[int, str]]:
@@ -433,7 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="synflowctl", description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("command", choices=("start", "stop", "restart", "status", "prometheus-config", "plugins"))
     parser.add_argument("directory", nargs="?", default="workers")
-    parser.add_argument("--config", action="append", default=[], help="appended to every process's config list")
+    parser.add_argument("--config", action="append", default=[],
+                        help="a file appended to every process's config list, or an overlay directory of more processes")
     parser.epilog = "plugins: list the worker types and streams installed (synflow.apps / synflow.streams entry points)"
     args = parser.parse_args(argv)
     if args.command == "plugins":
