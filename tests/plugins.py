@@ -10,8 +10,8 @@ it all and rereads the registry again.
 from __future__ import annotations
 
 import importlib
-import re
 import os
+import re
 import sys
 import textwrap
 from collections.abc import Mapping
@@ -60,8 +60,12 @@ class NoteWriter(api.WorkerType):
 
 def install_fake_distribution(testcase: Any, dist: str, modules: Mapping[str, str],
                               apps: Mapping[str, str] | None = None,
-                              streams: Mapping[str, str] | None = None) -> str:
-    """Make ``dist`` look installed, with its ``modules`` (name -> source) and entry points; returns its directory."""
+                              streams: Mapping[str, str] | None = None, *,
+                              source_dir: str | None = None) -> str:
+    """Make ``dist`` look installed, with its ``modules`` (name -> source) and entry points; returns its directory.
+
+    ``source_dir``, if given, is put on ``sys.path`` too (a package's checkout, imported in place).
+    """
     root = os.path.abspath(testcase.mktemp())
     os.makedirs(root)
     for name, source in modules.items():
@@ -80,10 +84,16 @@ def install_fake_distribution(testcase: Any, dist: str, modules: Mapping[str, st
     with open(os.path.join(info, "entry_points.txt"), "w", encoding="utf-8") as f:
         f.write("\n".join(lines))
     sys.path.insert(0, root)
+    if source_dir is not None:
+        sys.path.insert(1, source_dir)
     importlib.invalidate_caches()
 
     def remove() -> None:
         sys.path.remove(root)
+        if source_dir is not None:
+            sys.path.remove(source_dir)
+            for name in [m for m in sys.modules if m.split(".")[0] in _top_level_packages(source_dir)]:
+                sys.modules.pop(name, None)
         for name in modules:
             sys.modules.pop(name, None)
         importlib.invalidate_caches()
@@ -122,3 +132,22 @@ def write_tutorial_package(directory: str) -> dict[str, str]:
         with open(full, "w", encoding="utf-8") as f:
             f.write(content)
     return files
+
+
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "receipts")
+
+
+def _top_level_packages(directory: str) -> set[str]:
+    return {name for name in os.listdir(directory) if os.path.isfile(os.path.join(directory, name, "__init__.py"))}
+
+
+def install_example(testcase: Any, directory: str = EXAMPLE) -> None:
+    """Register an example package from its checkout: its pyproject's entry points, its code imported in place."""
+    import tomllib
+
+    with open(os.path.join(directory, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    points = project.get("entry-points", {})
+    install_fake_distribution(testcase, project["name"], {}, apps=points.get("synflow.apps"),
+                              streams=points.get("synflow.streams"), source_dir=directory)
+    registry.discover(refresh=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import configparser
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -17,7 +18,7 @@ from synflow.framework import Capability, WorkerType
 from synflow.streams import CACHES, EVENTS, FEDERATION
 from synflow.tools import ctl
 from tests.cluster import TWISTD
-from tests.plugins import NOTES_PLUGIN, install_fake_distribution
+from tests.plugins import EXAMPLE, NOTES_PLUGIN, install_example, install_fake_distribution
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUILTIN_APPS = {"master", "event_persister", "federation_sender", "cache_invalidator"}
@@ -253,3 +254,31 @@ class ListingTest(SynchronousTestCase):
         procs = ctl.discover(os.path.join(ROOT, "workers"), [])
         self.assertTrue(registry.worker_type_for(procs[0].config).has(Capability.MIGRATIONS))
         self.assertTrue(issubclass(registry.worker_type_for(procs[1].config), WorkerType))
+
+
+class OverlayDeploymentTest(SynchronousTestCase):
+    def test_example_overlay_adds_its_processes(self):
+        """``--config examples/receipts/workers/`` adds the example's three processes to the default five, every one
+        reading the overlay's shared.yaml (its writers and addresses)."""
+        install_example(self)
+        overlay = os.path.join(EXAMPLE, "workers")
+        procs = ctl.discover(os.path.join(ROOT, "workers"), [overlay])
+        self.assertEqual(sorted(p.name for p in procs),
+                         ["cache_invalidator1", "federation_sender1", "master", "persister1", "persister2",
+                          "receipts1", "receipts2", "room_stats1"])
+        self.assertEqual(procs[0].name, "master")
+        for proc in procs:
+            self.assertEqual(proc.files[-1], os.path.join(overlay, "shared.yaml"))
+            self.assertEqual(proc.config.stream_writers["receipts"], ["receipts1", "receipts2"])
+        apps = {p.name: registry.app_name(p.config) for p in procs}
+        self.assertEqual((apps["receipts1"], apps["room_stats1"]), ("receipt_writer", "room_stats"))
+
+    def test_two_process_files_with_one_instance_name(self):
+        """An overlay process file reusing an instance name of the deployment is refused, naming the file."""
+        install_example(self)
+        overlay = os.path.abspath(self.mktemp())
+        shutil.copytree(os.path.join(EXAMPLE, "workers"), overlay)
+        shutil.copy(os.path.join(ROOT, "workers", "persister1.yaml"), os.path.join(overlay, "again.yaml"))
+        with self.assertRaises(ConfigError) as cm:
+            ctl.discover(os.path.join(ROOT, "workers"), [overlay])
+        self.assertIn("instance_name 'persister1' is used by two process files", str(cm.exception))

@@ -19,7 +19,7 @@ from tests.services import unavailable
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: The paths ruff checks, as in tox.ini's ``lint`` environment.
-RUFF_PATHS = ["synflow", "tests", "spark", "scripts", "twisted"]
+RUFF_PATHS = ["synflow", "tests", "spark", "scripts", "twisted", "examples"]
 
 
 def _run_tool(module: str, args: list[str]) -> subprocess.CompletedProcess[str]:
