@@ -5,6 +5,10 @@ These helpers never replace protocol logic: a pumped connection runs the real
 ends; only the bytes move through memory instead of a socket, on a
 deterministic clock. Downstream projects may use them to test their own
 stream handlers.
+
+:mod:`synflow.testing.conformance` is the conformance kit: trial mixins
+(``StreamConformance``, ``WorkerTypeConformance``) a plugin's tests
+subclass to prove its stream or worker type honours the protocol.
 """
 
 from __future__ import annotations

@@ -43,12 +43,17 @@ table needs more (other columns, JSON encoding) overrides
 :meth:`StreamConformance.write_rows_txn` with its own writing function.
 
 A worker type author combines :class:`WorkerTypeConformance` with a
-``TestCase`` the same way, setting ``worker_type`` (and optionally
-``config_yaml``, a valid config file fragment holding its section): it
-checks the type describes itself, is registered under its name, that its
-config section structures like synflow's own (defaults from an empty
-mapping, unknown keys refused naming ``<section>.<key>``) and that every
-stream it writes or follows is registered.
+``TestCase`` the same way::
+
+    class ReceiptWriterConformanceTest(WorkerTypeConformance, TestCase):
+        worker_type = ReceiptWriter
+        config_yaml = "receipts:\\n  max_list: 50\\n"  # optional: a valid fragment holding its section
+
+It checks the type describes itself, is registered under its name (its
+distribution is installed), that its config section structures like
+synflow's own (defaults from an empty mapping, an unknown key refused
+naming ``<section>.<key>``) and that every stream it writes or follows is
+registered.
 
 The validator check needs the reference checker (``synflow_spark``, or
 ``spark`` in a synflow checkout) and the token test needs ``hypothesis``;
@@ -66,8 +71,8 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import attrs
-from twisted.internet.defer import Deferred, gatherResults
-from twisted.internet.task import Clock
+from twisted.internet.defer import Deferred, FirstError, gatherResults
+from twisted.internet.task import Clock, deferLater
 from twisted.trial.unittest import SkipTest
 
 from synflow.audit import AuditLog
@@ -84,11 +89,12 @@ from synflow.replication.commands import (
 from synflow.replication.guard import PositionGuard
 from synflow.replication.handler import ReplicationHandler
 from synflow.sharding import shard_for
-from synflow.storage.engines import Database, DatabaseConfig, Txn
+from synflow.storage.engines import Database, DatabaseConfig
 from synflow.storage.id_generators import (
     MultiWriterIdGenerator,
     StreamWriteContext,
     StreamWriters,
+    ensure_sequence_txn,
     last_allocated_txn,
     load_stream_state_txn,
 )
@@ -131,12 +137,6 @@ def _checker_checks(checker: ModuleType, *groups: str) -> frozenset[str]:
 
 class _Rollback(Exception):
     """Raised inside a write to roll it back (its IDs complete as aborted facts)."""
-
-
-def _ensure_sequence_txn(txn: Txn, stream: StreamDef) -> None:
-    """Give a plugin stream its SQLite sequence row if its migrations did not (first ID 2, as synflow's own)."""
-    txn.execute("INSERT INTO stream_sequences (stream_name, last_id) VALUES (?, 1) "
-                "ON CONFLICT (stream_name) DO NOTHING", (stream.name,))
 
 
 def _line(cmd: AnyCommand) -> bytes:
@@ -223,6 +223,8 @@ class _Reader:
     rows: list[tuple[str, int, list[Any]]] = attrs.Factory(list)
     #: (writer, position) after every advance.
     positions: list[tuple[str, int]] = attrs.Factory(list)
+    #: How many rows arrived as RDATA before the link dropped (the rest come from the catch-up).
+    live_rows: int = 0
 
     def rows_of(self, writer: str) -> list[tuple[int, Any]]:
         return [(token, row) for w, token, rows in self.rows if w == writer for row in rows]
@@ -411,7 +413,7 @@ class StreamConformance(_TestCaseBase):
         every_id = [*ids.values(), outsider]
 
         # The reader's vector clock after each advance never goes back.
-        clock = {ids[w]: self._conformance_reader_start(env, w) for w in names}
+        clock = {ids[w]: self._conformance_reader_start() for w in names}
         history = [StreamToken.from_positions(clock)]
         for writer, position in reader.positions:
             clock[ids[writer]] = position
@@ -419,7 +421,7 @@ class StreamConformance(_TestCaseBase):
         for before, after in zip(history, history[1:]):
             self.assertTrue(before.is_before_or_eq(after), f"reader token went back: {before} then {after}")
 
-        reached = {w: sorted({self._conformance_reader_start(env, w), *(p for x, p in reader.positions if x == w)})
+        reached = {w: sorted({self._conformance_reader_start(), *(p for x, p in reader.positions if x == w)})
                    for w in names}
         seen = {w: reader.rows_of(w) for w in names}
 
@@ -514,7 +516,7 @@ class StreamConformance(_TestCaseBase):
         schemas = self.plugin_schemas()
         if schemas:
             await prepare_plugin_schemas(db, schemas)
-        await db.run_interaction("ensure_sequence", _ensure_sequence_txn, stream)
+        await db.run_interaction("ensure_sequence", ensure_sequence_txn, stream)  # as the bootstrap does
         committed = _CommittedRows(path, stream)
         self.addCleanup(committed.close)
         allocated = await db.run_interaction("allocated", last_allocated_txn, stream)
@@ -602,12 +604,15 @@ class StreamConformance(_TestCaseBase):
                     pending.append(write(writer, chunks[name][r]))
                 if r == rounds // 2:
                     pending.append(abort(writer))
-        await gatherResults(pending, consumeErrors=True)
+        try:
+            await gatherResults(pending, consumeErrors=True)
+        except FirstError as e:
+            e.subFailure.raiseException()  # the write's own error (or failed assertion), not the wrapper
         for writer in env.writers.values():
             writer.written.sort(key=lambda pair: pair[0])
             writer.aborted.sort()
 
-    def _conformance_reader_start(self, env: _Env, writer: str) -> int:
+    def _conformance_reader_start(self) -> int:
         """Where a freshly started reader puts a writer (as the bootstrap does); 0 when unknown."""
         return 0 if self.stream.writers is Writers.DECLARED else 1
 
@@ -622,7 +627,7 @@ class StreamConformance(_TestCaseBase):
         from twisted.internet import reactor
 
         stream = self.stream
-        initial = {w: p for w in env.writers if (p := self._conformance_reader_start(env, w))}
+        initial = {w: p for w in env.writers if (p := self._conformance_reader_start())}
 
         def fetch_allocated(s: str) -> Deferred[int]:
             return env.db.run_interaction("allocated", last_allocated_txn, stream)
@@ -654,9 +659,13 @@ class StreamConformance(_TestCaseBase):
         handler.new_connection(first)
         for writer in env.writers.values():
             commands = writer.link_commands()
-            live = len(writer.hello.sent) + int(len(writer.transport.sent) * live_share)
-            for cmd in commands[:live]:
+            live = commands[:len(writer.hello.sent) + int(len(writer.transport.sent) * live_share)]
+            for cmd in live:
                 deliver(first, cmd)
+            claims = [c.token if isinstance(c, RdataCommand) else c.new_token
+                      for c in live if isinstance(c, RdataCommand | PositionCommand)]
+            await self._conformance_wait(reader, writer.name, max((c for c in claims if c is not None), default=0))
+            reader.live_rows += sum(1 for c in live if isinstance(c, RdataCommand))
         handler.lost_connection(first)  # the rest of the first link is lost
         second = _Link()
         handler.new_connection(second)
@@ -666,19 +675,33 @@ class StreamConformance(_TestCaseBase):
             for cmd in hello.commands():
                 deliver(second, cmd)
         for writer in env.writers.values():
-            reached = await handler.wait_for_position(stream.name, writer.name, writer.generator.position,
-                                                      timeout=_CATCH_UP_TIMEOUT_S)
-            self.assertTrue(reached, f"{name} did not catch up with {writer.name} "
-                                     f"(at {handler.position(stream.name, writer.name)}, "
-                                     f"writer at {writer.generator.position})")
+            await self._conformance_wait(reader, writer.name, writer.generator.position)
         return reader
 
+    async def _conformance_wait(self, reader: _Reader, writer: str, position: int) -> None:
+        """Until ``reader`` has ``writer`` at ``position`` (a test failure after a while)."""
+        handler = reader.handler
+        reached = await handler.wait_for_position(self.stream.name, writer, position, timeout=_CATCH_UP_TIMEOUT_S)
+        self.assertTrue(reached, f"{handler.instance_name} did not reach {writer}'s position {position} "
+                                 f"(at {handler.position(self.stream.name, writer)})")
+        # Waiters fire from inside the handler's apply: let it finish the command first.
+        from twisted.internet import reactor
+
+        await deferLater(reactor, 0, lambda: None)
+
     def _conformance_assert_caught_up(self, env: _Env, reader: _Reader) -> None:
+        """The reader has every written row once, in order, and each writer's final position."""
         stream = self.stream
+        name = reader.handler.instance_name
         for writer in env.writers.values():
             self.assertEqual(reader.rows_of(writer.name), writer.written,
-                             f"{reader.handler.instance_name} has other rows of {writer.name} than were written")
+                             f"{name} has other rows of {writer.name} than were written")
             self.assertEqual(reader.handler.position(stream.name, writer.name), writer.generator.position)
+        stats = reader.handler.stats
+        total = sum(len(w.written) for w in env.writers.values())
+        self.assertEqual((stats.bad_rows, stats.positions_refused, stats.rdata_unconnected), (0, 0, 0))
+        self.assertEqual(stats.rows_caught_up, total - reader.live_rows,
+                         f"{name} should have read every row it missed from the stream's table")
 
 
 class WorkerTypeConformance(_TestCaseBase):
@@ -692,7 +715,7 @@ class WorkerTypeConformance(_TestCaseBase):
 
     #: The worker type under test.
     worker_type: type[WorkerType]
-    #: A valid config file fragment holding the type's section (``receipts:\\n  batch: 10``).
+    #: A valid config file fragment holding the type's section (``"receipts:\n  max_list: 50\n"``).
     config_yaml: str | None = None
 
     def test_conformance_worker_type_is_described(self) -> None:
