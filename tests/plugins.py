@@ -141,13 +141,16 @@ def _top_level_packages(directory: str) -> set[str]:
     return {name for name in os.listdir(directory) if os.path.isfile(os.path.join(directory, name, "__init__.py"))}
 
 
-def install_example(testcase: Any, directory: str = EXAMPLE) -> None:
-    """Register an example package from its checkout: its pyproject's entry points, its code imported in place."""
+def install_example(testcase: Any, directory: str = EXAMPLE, *, on_path: bool = True) -> None:
+    """Register an example package from its checkout: its pyproject's entry points, its code imported in place.
+
+    ``on_path=False``: the caller has put ``directory`` on ``sys.path`` for good (its modules stay imported).
+    """
     import tomllib
 
     with open(os.path.join(directory, "pyproject.toml"), "rb") as f:
         project = tomllib.load(f)["project"]
     points = project.get("entry-points", {})
     install_fake_distribution(testcase, project["name"], {}, apps=points.get("synflow.apps"),
-                              streams=points.get("synflow.streams"), source_dir=directory)
+                              streams=points.get("synflow.streams"), source_dir=directory if on_path else None)
     registry.discover(refresh=True)
