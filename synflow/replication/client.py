@@ -28,7 +28,7 @@ from twisted.python.failure import Failure
 
 from synflow.backoff import Backoff
 from synflow.replication.commands import AnyCommand, PositionCommand, RdataCommand, Side
-from synflow.replication.core import ConnectionCore
+from synflow.replication.core import DEFAULT_OPTIONS, ConnectionCore, ConnectionOptions
 from synflow.replication.hub import CommandHandler
 from synflow.replication.metrics import count_dropped
 from synflow.replication.protocol import ReplicationProtocol
@@ -49,7 +49,7 @@ class _ClientFactory(Factory):
             Side.CLIENT,
             server_name=svc.server_name,
             instance_name=svc.instance_name,
-            **svc.core_options,  # type: ignore[arg-type]
+            options=svc.options,
         )
         proto = ReplicationProtocol(core, svc, svc.clock)
         proto.factory = self
@@ -67,7 +67,7 @@ class ReplicationClientService(Service):
         clock: the reactor's time.
         backoff: reconnect delays.
         rng: randomness for the jitter.
-        core_options: keyword arguments for each :class:`ConnectionCore`.
+        options: each connection's keep-alive, congestion limits and secret.
     """
 
     def __init__(
@@ -80,7 +80,7 @@ class ReplicationClientService(Service):
         clock: IReactorTime,
         backoff: Backoff = DEFAULT_RECONNECT_BACKOFF,
         rng: random.Random | None = None,
-        **core_options: object,
+        options: ConnectionOptions = DEFAULT_OPTIONS,
     ) -> None:
         self.endpoint = endpoint
         self.server_name = server_name
@@ -89,7 +89,7 @@ class ReplicationClientService(Service):
         self.clock = clock
         self.backoff = backoff
         self.rng = rng or random.Random()
-        self.core_options = core_options
+        self.options = options
         self.factory = _ClientFactory(self)
         self.connection: ReplicationProtocol | None = None
         self.failures = 0

@@ -33,7 +33,7 @@ from synflow.replication.commands import (
     ReplicateCommand,
     Side,
 )
-from synflow.replication.core import ConnectionCore
+from synflow.replication.core import DEFAULT_OPTIONS, ConnectionCore, ConnectionOptions
 from synflow.replication.protocol import ReplicationConnection, ReplicationProtocol
 
 logger = logging.getLogger(__name__)
@@ -118,8 +118,7 @@ class ReplicationServerFactory(ServerFactory):
         hub: where connections and commands go.
         server_name: sent in SERVER to every client.
         clock: the reactor's time.
-        core_options: keyword arguments for each :class:`ConnectionCore`
-            (ping interval and timeout, congestion limits).
+        options: each connection's keep-alive, congestion limits and secret.
     """
 
     def __init__(
@@ -127,15 +126,15 @@ class ReplicationServerFactory(ServerFactory):
         hub: ReplicationHub,
         server_name: str,
         clock: IReactorTime,
-        **core_options: object,
+        options: ConnectionOptions = DEFAULT_OPTIONS,
     ) -> None:
         self.hub = hub
         self.server_name = server_name
         self.clock = clock
-        self.core_options = core_options
+        self.options = options
 
     def buildProtocol(self, addr: IAddress | None) -> ReplicationProtocol:
-        core = ConnectionCore(Side.SERVER, server_name=self.server_name, **self.core_options)  # type: ignore[arg-type]
+        core = ConnectionCore(Side.SERVER, server_name=self.server_name, options=self.options)
         proto = ReplicationProtocol(core, self.hub, self.clock)
         proto.factory = self
         return proto

@@ -51,7 +51,7 @@ from synflow.replication.commands import (
     ReplicateCommand,
     Side,
 )
-from synflow.replication.core import ConnectionCore, Deliver, SendLine
+from synflow.replication.core import ConnectionCore, ConnectionOptions, Deliver, SendLine
 from synflow.replication.hub import CommandHandler
 from synflow.replication.metrics import count_dropped
 
@@ -62,6 +62,9 @@ MAX_MESSAGE_BYTES = 256 * 1024
 
 #: The commands whose loss catch-up repairs (a later POSITION reveals the gap).
 _STREAM_NAMES: Final = frozenset({RdataCommand.NAME, PositionCommand.NAME})
+
+#: A pub/sub bus has no peer to ping: no keep-alive and no ping timeout.
+BUS_OPTIONS: Final = ConnectionOptions(ping_interval_s=float("inf"), ping_timeout_s=None)
 
 
 class RedisStartupError(SynflowError):
@@ -221,8 +224,7 @@ class RedisTransportService(Service):
         self.channel = channel_name(config)
         self.one_line_per_message = self.redis.one_line_per_message
         self.core = ConnectionCore(Side.BOTH, server_name=config.server_name,
-                                   instance_name=config.instance_name, ping_timeout_s=None,
-                                   ping_interval_s=float("inf"))
+                                   instance_name=config.instance_name, options=BUS_OPTIONS)
         self.connection: RedisConnection | None = None
         self._subscriber: Any = None
         self._publisher: Any = None

@@ -19,7 +19,7 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from synflow.replication.commands import AnyCommand, Side, parse_line
-from synflow.replication.core import ConnectionCore
+from synflow.replication.core import DEFAULT_OPTIONS, ConnectionCore, ConnectionOptions
 from synflow.replication.protocol import ReplicationProtocol
 
 
@@ -77,14 +77,14 @@ def make_protocol(
     *,
     server_name: str = "test.server",
     instance_name: str = "worker1",
-    **core_options: Any,
+    options: ConnectionOptions = DEFAULT_OPTIONS,
 ) -> ReplicationProtocol:
     """A real replication protocol with a fresh core, not yet connected."""
     core = ConnectionCore(
         side,
         server_name=server_name,
         instance_name=instance_name if side is Side.CLIENT else None,
-        **core_options,
+        options=options,
     )
     return ReplicationProtocol(core, receiver, clock)
 
