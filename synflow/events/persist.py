@@ -34,7 +34,7 @@ import attrs
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 
-from synflow.caching import CURRENT_STATE_CACHE_NAME, invalidation_rows
+from synflow.caching import invalidation_rows
 from synflow.errors import HttpApiError
 from synflow.events import auth
 from synflow.events.auth import AuthError, JoinRule, PowerLevels, RoomView
@@ -56,8 +56,6 @@ EVENTS_PERSISTED = counter("synflow_events_persisted_total", "Events persisted b
 MAX_BATCH = 256
 #: Persist transactions running at once in one persister.
 MAX_IN_FLIGHT = 4
-#: The batched cache name for a room's current-state change (keys: room, members).
-CURRENT_STATE_CACHE = CURRENT_STATE_CACHE_NAME
 
 MEMBER = auth.MEMBER
 CREATE = auth.CREATE

@@ -24,7 +24,6 @@ import enum
 import hmac
 import logging
 from collections import deque
-from collections.abc import Iterable
 from typing import Final, TypeAlias
 
 import attrs
@@ -475,11 +474,6 @@ class ConnectionCore:
 
 def _ping_data(now: float) -> str:
     return str(int(now * 1000))
-
-
-def lines_of(actions: Iterable[Action]) -> list[bytes]:
-    """The lines a list of actions writes (a helper for tests and transcripts)."""
-    return [a.data for a in actions if isinstance(a, SendLine)]
 
 
 __all__ = [
