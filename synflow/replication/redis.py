@@ -35,15 +35,15 @@ from typing import Any, Final
 
 import txredisapi
 from twisted.application.service import Service
-from twisted.internet import defer, ssl
+from twisted.internet import defer
 from twisted.internet.defer import Deferred
-from twisted.internet.endpoints import TCP4ClientEndpoint, UNIXClientEndpoint, wrapClientTLS
 from twisted.internet.interfaces import IDelayedCall, IStreamClientEndpoint
 from twisted.protocols.tls import TLSMemoryBIOProtocol
 from twisted.python.failure import Failure
 
-from synflow.config import RedisConfig, SynflowConfig
+from synflow.config import SynflowConfig
 from synflow.errors import ConfigError, SynflowError
+from synflow.redis_connect import redis_endpoint, redis_password
 from synflow.replication.commands import (
     AnyCommand,
     PositionCommand,
@@ -69,37 +69,6 @@ BUS_OPTIONS: Final = ConnectionOptions(ping_interval_s=float("inf"), ping_timeou
 
 class RedisStartupError(SynflowError):
     """Redis refused us (bad password, bad database number, ...)."""
-
-
-def redis_password(cfg: RedisConfig) -> str | None:
-    if cfg.password is not None:
-        return cfg.password
-    if cfg.password_file is not None:
-        with open(cfg.password_file, encoding="utf-8") as f:
-            return f.read().strip()
-    return None
-
-
-def redis_endpoint(reactor: Any, cfg: RedisConfig) -> IStreamClientEndpoint:
-    """The client endpoint for a Redis config: Unix socket, TCP, or TLS over TCP."""
-    if cfg.path:
-        return UNIXClientEndpoint(reactor, cfg.path, timeout=cfg.connect_timeout_s)
-    endpoint: IStreamClientEndpoint = TCP4ClientEndpoint(reactor, cfg.host, cfg.port, timeout=cfg.connect_timeout_s)
-    if cfg.tls is not None:
-        kwargs: dict[str, Any] = {}
-        if cfg.tls.ca_file:
-            with open(cfg.tls.ca_file, "rb") as f:
-                kwargs["trustRoot"] = ssl.Certificate.loadPEM(f.read())
-        if cfg.tls.cert_file:
-            with open(cfg.tls.cert_file, "rb") as f:
-                cert = f.read()
-            key = cert
-            if cfg.tls.key_file:
-                with open(cfg.tls.key_file, "rb") as f:
-                    key = f.read()
-            kwargs["clientCertificate"] = ssl.PrivateCertificate.loadPEM(cert + b"\n" + key)
-        endpoint = wrapClientTLS(ssl.optionsForClientTLS(cfg.host, **kwargs), endpoint)
-    return endpoint
 
 
 def channel_name(config: SynflowConfig) -> str:
