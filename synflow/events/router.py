@@ -17,7 +17,7 @@ from twisted.python.failure import Failure
 
 from synflow.errors import HttpApiError
 from synflow.events.persist import EventPersister, EventSpec, PersistResult
-from synflow.replication.rpc import RpcClient, RpcServer
+from synflow.http.rpc import RpcClient, RpcServer
 from synflow.sharding import shard_for
 
 #: Events sent in one persist_events call at most.
