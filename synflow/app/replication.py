@@ -38,8 +38,8 @@ from synflow.storage.id_generators import (
     load_stream_state_txn,
     persist_position_txn,
 )
+from synflow.storage.sources import DatabaseSource
 from synflow.streams import StreamDef, Writers
-from synflow.streams.sources import DatabaseSource
 
 
 def writes_stream(config: SynflowConfig, stream: StreamDef) -> bool:
