@@ -52,7 +52,7 @@ from synflow.replication.commands import (
     Side,
 )
 from synflow.replication.core import ConnectionCore, ConnectionOptions, Deliver, SendLine
-from synflow.replication.hub import CommandHandler
+from synflow.replication.interfaces import CommandReceiver
 from synflow.replication.metrics import count_dropped
 
 logger = logging.getLogger(__name__)
@@ -183,7 +183,7 @@ class RedisTransportService(Service):
         endpoint: connect here instead of the configured server (tests).
     """
 
-    def __init__(self, config: SynflowConfig, handler: CommandHandler | None, reactor: Any,
+    def __init__(self, config: SynflowConfig, handler: CommandReceiver[RedisConnection] | None, reactor: Any,
                  rng: random.Random | None = None, endpoint: IStreamClientEndpoint | None = None) -> None:
         self.endpoint = endpoint
         self.config = config
