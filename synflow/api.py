@@ -34,9 +34,9 @@ from synflow.audit import AuditLog
 from synflow.config import SynflowConfig
 from synflow.errors import ConfigError, HttpApiError, PluginError
 from synflow.framework import Capability, ProcessContext, Section, StreamFollower, WorkerType
+from synflow.http.rpc import RpcClient, RpcServer
 from synflow.http.server import JsonResource
 from synflow.replication.handler import ReplicationHandler
-from synflow.replication.rpc import RpcClient, RpcServer
 from synflow.sharding import shard_for
 from synflow.storage.engines import Database, Txn
 from synflow.storage.id_generators import StreamWriteContext, StreamWriters

@@ -54,8 +54,6 @@ RETRY_INTERVAL_S = 5.0
 #: A failing audit log is logged at most once per this many seconds.
 ERROR_LOG_INTERVAL_S = 60.0
 
-#: The logs a write error can concern (the ``log`` label: a fixed set).
-AUDIT_LOGS = ("writer", "tokens", "instance_map")
 WRITE_ERRORS = counter("synflow_audit_write_errors_total", "Failed writes to the audit log", ["log"])
 RECORDS_LOST = counter("synflow_audit_records_lost_total", "Audit records dropped because a write failed", ["log"])
 

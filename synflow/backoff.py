@@ -8,7 +8,6 @@ fix the seed and assert exact delays.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 
 import attrs
 
@@ -55,7 +54,3 @@ class Backoff:
         if self.jitter:
             base *= rng.uniform(1 - self.jitter, 1 + self.jitter)
         return min(base, self.max_s)
-
-    def policy(self, rng: random.Random) -> Callable[[int], float]:
-        """A ``retryPolicy`` for Twisted's ``ClientService`` (it passes the failure count)."""
-        return lambda failures: self.delay(failures, rng)

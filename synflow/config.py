@@ -30,6 +30,7 @@ import yaml
 from synflow.endpoints import endpoint_problem, tcp_address
 from synflow.errors import ConfigError
 from synflow.shared_secret import DEFAULT_SECRET_NAME, is_loopback, load_or_create_secret
+from synflow.storage.engines import DatabaseConfig
 from synflow.streams import StreamDef, Writers
 
 T = TypeVar("T")
@@ -111,7 +112,8 @@ class ReplicationConfig:
 
 @attrs.frozen
 class DatabaseSection:
-    """``database:`` -- passed to the storage layer's own validator."""
+    """``database:`` -- its values are checked by the storage layer's validator
+    (:meth:`~synflow.storage.engines.DatabaseConfig.from_dict`) when the config loads."""
 
     engine: Literal["sqlite", "postgres"] = "sqlite"
     path: str | None = None
@@ -321,6 +323,18 @@ class SynflowConfig:
     def database_path(self) -> str:
         """The SQLite file: ``database.path``, else ``<data_dir>/synflow.db``."""
         return self.database.path or os.path.join(self.data_dir, "synflow.db")
+
+    def database_config(self) -> DatabaseConfig:
+        """The storage layer's config from the ``database:`` section (the SQLite file resolved).
+
+        Raises:
+            ConfigError: a value the storage layer refuses, naming ``database.<key>``.
+        """
+        section = {k: v for k, v in attrs.asdict(self.database).items()
+                   if v is not None and k != "repair_positions"}
+        if section.get("engine", "sqlite") == "sqlite":
+            section["path"] = self.database_path
+        return DatabaseConfig.from_dict(section)
 
     @property
     def signing_key_file(self) -> str:
@@ -634,7 +648,16 @@ def validate(config: SynflowConfig, origins: Mapping[str, str]) -> None:
             raise config_error(origins, f"federation.destinations.{name}", f"must be an http:// or https:// URL, got {url!r}")
     _check_federation(config.federation, origins)
     _check_audit_and_limits(config, origins)
+    _check_database(config, origins)
     _check_drivers(config, origins)
+
+
+def _check_database(config: SynflowConfig, origins: Mapping[str, str]) -> None:
+    """The storage layer's own checks of ``database:`` (ranges, consistency), naming the file."""
+    try:
+        config.database_config()
+    except ConfigError as e:
+        raise config_error(origins, e.key or "database", e.reason) from None
 
 
 def _check_audit_and_limits(config: SynflowConfig, origins: Mapping[str, str]) -> None:

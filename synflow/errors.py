@@ -75,6 +75,56 @@ class ShardingError(SynflowError):
     """A key was routed to an instance that does not own it, or no instance exists."""
 
 
+class PersistRefused(SynflowError):
+    """The event persister or the room rules refused an event (or a whole batch).
+
+    Domain errors, free of HTTP: the subclass says what kind of refusal it
+    is, and the HTTP edge (:mod:`synflow.http.server`) gives each kind its
+    status. A persister records an event's refusal in its result; a refusal
+    of a whole call is raised.
+
+    Attributes:
+        errcode: the Matrix ``errcode`` naming the reason (``M_FORBIDDEN``, ...).
+        msg: what was refused and why.
+        extra: further fields for the error body (e.g. ``owner``).
+    """
+
+    def __init__(self, errcode: str, message: str, **extra: object) -> None:
+        super().__init__(message)
+        self.errcode = errcode
+        self.msg = message
+        self.extra = extra
+
+
+class BadEvent(PersistRefused):
+    """The event is malformed or out of bounds."""
+
+
+class Forbidden(PersistRefused):
+    """The room rules do not let the sender do this."""
+
+
+class NotFound(PersistRefused):
+    """The event names a room this server does not know."""
+
+
+class Conflict(PersistRefused):
+    """The event clashes with what exists (a room created twice)."""
+
+
+class WrongPersister(Conflict):
+    """The room belongs to another event persister; ``owner`` names it."""
+
+    def __init__(self, room_id: str, owner: str, instance_name: str) -> None:
+        super().__init__("M_WRONG_PERSISTER",
+                         f"room {room_id} belongs to event persister {owner!r}, not {instance_name!r}", owner=owner)
+        self.owner = owner
+
+
+class NotStored(PersistRefused):
+    """The event passed the rules but could not be written (a database error)."""
+
+
 class HttpApiError(SynflowError):
     """An error with an HTTP status and a Matrix-style ``errcode``.
 

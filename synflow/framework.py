@@ -35,8 +35,8 @@ from synflow.streams import StreamDef, Writers
 if TYPE_CHECKING:
     from synflow.audit import AuditLog
     from synflow.config import SynflowConfig
+    from synflow.http.rpc import RpcClient, RpcServer
     from synflow.replication.handler import ReplicationHandler
-    from synflow.replication.rpc import RpcClient, RpcServer
     from synflow.storage.engines import Database
     from synflow.storage.id_generators import StreamWriteContext, StreamWriters
     from synflow.storage.instances import InstanceMap

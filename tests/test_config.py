@@ -213,6 +213,22 @@ class ConfigTest(_ConfigFiles):
         default = self.load(SHARED)
         self.assertEqual((default.database.synchronous, default.limits.sync_rate_limit_per_s), ("full", 50.0))
 
+    def test_database_values_checked_at_load(self):
+        """The storage layer's checks of database: run when the config loads, naming the file and database.<key>."""
+        cases = [
+            ("database: {cp_max: 0}", "database.cp_max", "must be at least cp_min (1), got 0"),
+            ("database: {cp_min: 0}", "database.cp_min", "must be at least 1, got 0"),
+            ("database: {engine: postgres, port: 70000}", "database.port", "must be a TCP port number"),
+            ("database: {connect_timeout_s: 0}", "database.connect_timeout_s", "must be positive"),
+            ("database: {path: ':memory:', cp_max: 2}", "database.path", "in-memory SQLite database"),
+        ]
+        for yaml_text, key, fragment in cases:
+            self.assertConfigError("shared.yaml", key, fragment, shared=SHARED + yaml_text + "\n")
+        message = self.assertConfigError("own.yaml", "database.cp_max", "got 0",
+                                         own=MASTER + "database: {cp_max: 0}\n")
+        self.assertIn("own.yaml: database.cp_max: ", message)
+        self.assertEqual(self.load(SHARED + "database: {cp_max: 1}\n").database_config().cp_max, 1)
+
     def test_federation_defaults(self):
         """Without a federation section the documented defaults apply."""
         federation = self.load().federation
@@ -311,14 +327,12 @@ class DefaultDeploymentTest(SynchronousTestCase):
 
     def test_paths_under_data_dir(self):
         """Database, audit logs, log files and pidfiles all default to places under data_dir, wherever it is."""
-        from synflow.app.base import database_config
-
         for data_dir in ("var", os.path.abspath(self.mktemp())):
             for name in self.PROCESSES:
                 config = _workers_config(name, overrides={"data_dir": data_dir})
                 self.assertEqual(config.data_dir, data_dir)
                 paths = {
-                    "database": database_config(config).path,
+                    "database": config.database_config().path,
                     "audit": config.audit_dir,
                     "log": config.log_path,
                     "pid": config.pid_path,

@@ -29,7 +29,7 @@ from twisted.internet.defer import ensureDeferred, inlineCallbacks
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from synflow.config import HostPort, ReplicationConfig, load_config
-from synflow.replication.rpc import PREFIX as RPC_PREFIX
+from synflow.http.rpc import PREFIX as RPC_PREFIX
 from synflow.sharding import shard_for
 from synflow.tools.client import Client, new_pool
 from tests import services

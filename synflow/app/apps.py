@@ -29,10 +29,10 @@ from synflow.app.services import ListeningService
 from synflow.app.systemd import SystemdNotifier
 from synflow.config import SynflowConfig, Transport
 from synflow.framework import ProcessContext, WorkerType
+from synflow.http.rpc import PREFIX as RPC_PREFIX
+from synflow.http.rpc import PositionSource, RpcClient, RpcServer
 from synflow.http.site import HealthResource, build_site
 from synflow.listeners import effective_listeners
-from synflow.replication.rpc import PREFIX as RPC_PREFIX
-from synflow.replication.rpc import PositionSource, RpcClient, RpcServer
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,6 @@ import os
 import sys
 from typing import Any
 
-import attrs
 from twisted.application.service import MultiService
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.threads import deferToThreadPool
@@ -33,21 +32,12 @@ from synflow.config import SynflowConfig
 from synflow.errors import SynflowError
 from synflow.framework import Capability
 from synflow.storage.createdb import ensure_database_txn
-from synflow.storage.engines import Database, DatabaseConfig
+from synflow.storage.engines import Database
 from synflow.storage.id_generators import ensure_sequence_txn
 from synflow.storage.instances import InstanceMap
 from synflow.storage.prepare import prepare_database, prepare_plugin_schemas, wait_for_schema
 
 logger = logging.getLogger(__name__)
-
-
-def database_config(config: SynflowConfig) -> DatabaseConfig:
-    """The storage layer's config from the ``database:`` section."""
-    section = {k: v for k, v in attrs.asdict(config.database).items()
-               if v is not None and k != "repair_positions"}
-    if section.get("engine", "sqlite") == "sqlite":
-        section["path"] = config.database_path
-    return DatabaseConfig.from_dict(section)
 
 
 class ProcessService(MultiService):
@@ -89,7 +79,7 @@ class ProcessService(MultiService):
             max_bytes=config.audit.max_bytes, enabled=config.audit.enabled,
             retain_bytes=config.audit.retain_bytes, retain_days=config.audit.retain_days,
         )
-        db_config = database_config(config)
+        db_config = config.database_config()
         migrates = self.worker_type.has(Capability.MIGRATIONS)
         if migrates and db_config.engine == "postgres":
             if await deferToThreadPool(self.reactor, self.reactor.getThreadPool(), ensure_database_txn, db_config):

@@ -26,6 +26,7 @@ from synflow.framework import Capability
 from synflow.listeners import hub_endpoint
 from synflow.replication import metrics as replication_metrics
 from synflow.replication.client import ReplicationClientService
+from synflow.replication.core import ConnectionOptions
 from synflow.replication.guard import PositionGuard
 from synflow.replication.handler import ReplicationHandler
 from synflow.replication.hub import ReplicationHub, ReplicationServerFactory
@@ -37,8 +38,8 @@ from synflow.storage.id_generators import (
     load_stream_state_txn,
     persist_position_txn,
 )
+from synflow.storage.sources import DatabaseSource
 from synflow.streams import StreamDef, Writers
-from synflow.streams.sources import DatabaseSource
 
 
 def writes_stream(config: SynflowConfig, stream: StreamDef) -> bool:
@@ -65,15 +66,16 @@ class Replication:
     allocated_at_start: dict[str, int] = attrs.Factory(dict)
 
 
-def core_options(config: SynflowConfig) -> dict[str, Any]:
+def connection_options(config: SynflowConfig) -> ConnectionOptions:
+    """The options of this process's TCP replication connections, from its config."""
     r = config.replication
-    return {
-        "ping_interval_s": r.ping_interval_s,
-        "ping_timeout_s": r.ping_timeout_s,
-        "high_water": r.high_water,
-        "hard_limit": r.hard_limit,
-        "secret": config.replication_secret(),
-    }
+    return ConnectionOptions(
+        ping_interval_s=r.ping_interval_s,
+        ping_timeout_s=r.ping_timeout_s,
+        high_water=r.high_water,
+        hard_limit=r.hard_limit,
+        secret=config.replication_secret(),
+    )
 
 
 async def setup_replication(
@@ -152,7 +154,7 @@ async def setup_replication(
         repl.transport = transport
     elif registry.worker_type_for(config).has(Capability.REPLICATION_HUB):
         hub = ReplicationHub(handler)
-        factory = ReplicationServerFactory(hub, config.server_name, reactor, **core_options(config))
+        factory = ReplicationServerFactory(hub, config.server_name, reactor, connection_options(config))
         listener = ListeningService(reactor, hub_endpoint(config), factory)
         listener.setName("replication-hub")
         listener.setServiceParent(service)
@@ -167,7 +169,7 @@ async def setup_replication(
             handler=handler,
             clock=reactor,
             rng=rng,
-            **core_options(config),
+            options=connection_options(config),
         )
         client.setName("replication-client")
         client.setServiceParent(service)

@@ -41,7 +41,7 @@ from synflow.caching.local import TOMBSTONE_CAPACITY
 from synflow.caching.tier import TierClient, encode_key
 from synflow.config import CacheConfig
 from synflow.errors import ConfigError
-from synflow.replication.commands import MAX_LINE_LENGTH
+from synflow.limits import MAX_LINE_LENGTH
 from synflow.streams import CachesRow, EventsRow
 
 logger = logging.getLogger(__name__)

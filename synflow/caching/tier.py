@@ -49,6 +49,7 @@ from twisted.python.failure import Failure
 
 from synflow.config import CacheConfig
 from synflow.errors import ConfigError, SynflowError
+from synflow.redis_connect import redis_endpoint, redis_password
 from synflow.sharding import shard_for
 
 #: How long a tier request may take before the reader gives up and reads the
@@ -300,8 +301,6 @@ def open_tier(reactor: Any, config: CacheConfig, prefix: str) -> CacheTier | Non
         return None
     # The Redis driver is optional (the ``redis`` extra); config validation checks it is there.
     import txredisapi
-
-    from synflow.replication.redis import redis_endpoint, redis_password
 
     try:
         password = redis_password(cfg)

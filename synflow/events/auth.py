@@ -7,8 +7,11 @@ event, the *authenticated* origin server for a PDU). It touches no database
 and no clock; the persister builds the view inside its transaction and calls
 it for every event of a batch, updating the view as events are accepted.
 
-The rules, in the order they are checked (each refusal is an
-:class:`AuthError` with an HTTP status, an ``errcode`` and a message):
+The rules, in the order they are checked (each refusal is a
+:class:`~synflow.errors.PersistRefused` -- :class:`~synflow.errors.Forbidden`,
+:class:`~synflow.errors.NotFound`, :class:`~synflow.errors.Conflict` or, for
+malformed state content, :class:`~synflow.errors.BadEvent` -- with an
+``errcode`` and a message; the HTTP edge gives each kind its status):
 
 1. **Origin**: the sender's server is the acting server -- a remote server
    may only act for its own users, and a local event only for local users.
@@ -51,6 +54,8 @@ from typing import Any, Protocol
 
 import attrs
 
+from synflow.errors import BadEvent, Conflict, Forbidden, NotFound
+
 MEMBER = "m.room.member"
 CREATE = "m.room.create"
 JOIN_RULES = "m.room.join_rules"
@@ -78,24 +83,8 @@ class Membership(enum.Enum):
     BAN = "ban"
 
 
-class AuthError(Exception):
-    """An event the rules refuse.
-
-    Attributes:
-        code: the HTTP status (403, 404 or 409; 400 for malformed state content).
-        errcode: the Matrix ``errcode``.
-        msg: what was refused and why.
-    """
-
-    def __init__(self, code: int, errcode: str, msg: str) -> None:
-        super().__init__(msg)
-        self.code = code
-        self.errcode = errcode
-        self.msg = msg
-
-
-def _forbidden(msg: str) -> AuthError:
-    return AuthError(403, "M_FORBIDDEN", msg)
+def _forbidden(msg: str) -> Forbidden:
+    return Forbidden("M_FORBIDDEN", msg)
 
 
 def server_of(user_or_room_id: str) -> str:
@@ -142,16 +131,16 @@ class PowerLevels:
         """Parse an ``m.room.power_levels`` content (from a client or remote server).
 
         Raises:
-            AuthError: 400 ``M_BAD_JSON`` if a level is not an integer or ``users`` is not a map of them.
+            BadEvent: ``M_BAD_JSON`` if a level is not an integer or ``users`` is not a map of them.
         """
         def level(value: Any, name: str) -> int:
             if not isinstance(value, int) or isinstance(value, bool):
-                raise AuthError(400, "M_BAD_JSON", f"power level {name} must be an integer, not {value!r}")
+                raise BadEvent("M_BAD_JSON", f"power level {name} must be an integer, not {value!r}")
             return value
 
         users = content.get("users", {})
         if not isinstance(users, dict) or len(users) > MAX_POWER_USERS:
-            raise AuthError(400, "M_BAD_JSON", f"power levels users must be a map of at most {MAX_POWER_USERS}")
+            raise BadEvent("M_BAD_JSON", f"power levels users must be a map of at most {MAX_POWER_USERS}")
         defaults = cls()
         return cls(
             users={str(u): level(v, f"users[{u}]") for u, v in users.items()},
@@ -230,7 +219,9 @@ def authorize(event: EventLike, room: RoomView, *, server_name: str, origin: str
         The decision, if the event is allowed.
 
     Raises:
-        AuthError: the event is refused.
+        PersistRefused: the event is refused (:class:`~synflow.errors.Forbidden`,
+            :class:`~synflow.errors.NotFound`, :class:`~synflow.errors.Conflict`
+            or :class:`~synflow.errors.BadEvent`).
     """
     local = origin == server_name
     if server_of(event.sender) != origin:
@@ -242,7 +233,7 @@ def authorize(event: EventLike, room: RoomView, *, server_name: str, origin: str
                        and event.state_key is not None and server_of(event.state_key) == server_name)
     if not room.exists:
         if local:
-            raise AuthError(404, "M_NOT_FOUND", f"unknown room {event.room_id}")
+            raise NotFound("M_NOT_FOUND", f"unknown room {event.room_id}")
         if not invite_of_local or server_of(event.room_id) == server_name:
             raise _forbidden(f"this server has no member in room {event.room_id}")
     elif not local and not room.has_local_member(server_name) and not invite_of_local:
@@ -268,9 +259,9 @@ def _check_create(event: EventLike, room: RoomView, server_name: str, local: boo
     if server_of(event.room_id) != server_name:
         raise _forbidden(f"room {event.room_id} is not in this server's namespace ({server_name})")
     if event.state_key != "":
-        raise AuthError(400, "M_BAD_JSON", "m.room.create must have an empty state key")
+        raise BadEvent("M_BAD_JSON", "m.room.create must have an empty state key")
     if room.exists:
-        raise AuthError(409, "M_ROOM_IN_USE", f"room {event.room_id} already exists")
+        raise Conflict("M_ROOM_IN_USE", f"room {event.room_id} already exists")
 
 
 def _check_membership(event: EventLike, room: RoomView, sender_membership: str | None) -> None:
@@ -280,9 +271,9 @@ def _check_membership(event: EventLike, room: RoomView, sender_membership: str |
     try:
         membership = Membership(raw)
     except ValueError:
-        raise AuthError(400, "M_BAD_JSON", f"membership {raw!r} is not one of join, invite, leave, ban") from None
+        raise BadEvent("M_BAD_JSON", f"membership {raw!r} is not one of join, invite, leave, ban") from None
     if not _is_user_id(target):
-        raise AuthError(400, "M_BAD_JSON", f"state key {target!r} of a membership is not a user ID")
+        raise BadEvent("M_BAD_JSON", f"state key {target!r} of a membership is not a user ID")
     current = room.members.get(target)
     if current is None and target == event.sender:
         current = sender_membership  # a sender taken as joined (rule 4) may leave like one
@@ -332,7 +323,7 @@ def _check_state(event: EventLike, room: RoomView) -> None:
     if event.type == JOIN_RULES:
         rule = event.content.get("join_rule")
         if rule not in {r.value for r in JoinRule}:
-            raise AuthError(400, "M_BAD_JSON", f"join_rule {rule!r} is not public or invite")
+            raise BadEvent("M_BAD_JSON", f"join_rule {rule!r} is not public or invite")
     elif event.type == POWER_LEVELS:
         PowerLevels.from_content(event.content)
 

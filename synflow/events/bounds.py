@@ -26,6 +26,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from synflow.errors import BadEvent
+
 #: The longest event ID, room ID, user ID, event type or state key, in UTF-8 bytes.
 MAX_ID_BYTES = 255
 #: The largest integer magnitude in canonical JSON (2**53 - 1).
@@ -162,10 +164,10 @@ def check_event_fields(fields: Mapping[str, Any]) -> None:
         raise EventTooLarge(f"the event is {size} bytes, more than {MAX_PDU_BYTES}")
 
 
-def event_refusal(fields: Mapping[str, Any]) -> tuple[int, str, str] | None:
-    """``(status, errcode, message)`` refusing an event out of bounds (see :func:`check_event_fields`), or None."""
+def event_refusal(fields: Mapping[str, Any]) -> BadEvent | None:
+    """The refusal of an event out of bounds (see :func:`check_event_fields`), or None."""
     try:
         check_event_fields(fields)
     except FieldError as e:
-        return (400, e.errcode, str(e))
+        return BadEvent(e.errcode, str(e))
     return None

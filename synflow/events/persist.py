@@ -34,10 +34,10 @@ import attrs
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 
-from synflow.caching import CURRENT_STATE_CACHE_NAME, invalidation_rows
-from synflow.errors import HttpApiError
+from synflow.caching import invalidation_rows
+from synflow.errors import BadEvent, NotStored, PersistRefused, WrongPersister
 from synflow.events import auth
-from synflow.events.auth import AuthError, JoinRule, PowerLevels, RoomView
+from synflow.events.auth import JoinRule, PowerLevels, RoomView
 from synflow.events.bounds import event_refusal
 from synflow.metrics import counter, histogram
 from synflow.sharding import shard_for
@@ -56,8 +56,6 @@ EVENTS_PERSISTED = counter("synflow_events_persisted_total", "Events persisted b
 MAX_BATCH = 256
 #: Persist transactions running at once in one persister.
 MAX_IN_FLIGHT = 4
-#: The batched cache name for a room's current-state change (keys: room, members).
-CURRENT_STATE_CACHE = CURRENT_STATE_CACHE_NAME
 
 MEMBER = auth.MEMBER
 CREATE = auth.CREATE
@@ -90,39 +88,35 @@ class EventSpec:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> EventSpec:
+        """An event from another process (internal RPC).
+
+        Raises:
+            BadEvent: unknown fields, or fields missing.
+        """
         fields = {f.name for f in attrs.fields(cls)}
         unknown = set(data) - fields
         if unknown:
-            raise HttpApiError(400, "M_BAD_JSON", f"unknown event fields: {sorted(unknown)}")
+            raise BadEvent("M_BAD_JSON", f"unknown event fields: {sorted(unknown)}")
         try:
             return cls(**data)
         except TypeError as e:
-            raise HttpApiError(400, "M_BAD_JSON", f"bad event: {e}") from None
+            raise BadEvent("M_BAD_JSON", f"bad event: {e}") from None
 
 
 @attrs.frozen
 class PersistResult:
-    """What happened to one event of a batch."""
+    """What happened to one event of a batch: persisted, a duplicate, or refused (``error``)."""
 
     event_id: str | None
     stream_ordering: int | None
     instance_name: str
-    error: tuple[int, str, str] | None = None
+    error: PersistRefused | None = None
     duplicate: bool = False
 
-    def to_json(self) -> dict[str, Any]:
-        return attrs.asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> PersistResult:
-        error = data.get("error")
-        return cls(data.get("event_id"), data.get("stream_ordering"), data["instance_name"],
-                   tuple(error) if error else None, bool(data.get("duplicate")))
-
     def raise_error(self) -> None:
+        """Raise the event's refusal, if it was refused."""
         if self.error is not None:
-            code, errcode, msg = self.error
-            raise HttpApiError(code, errcode, msg)
+            raise self.error
 
 
 @attrs.define
@@ -183,7 +177,7 @@ def _load_rooms_txn(txn: Any, room_ids: set[str]) -> dict[str, _RoomState]:
                 view.join_rule = JoinRule(parsed["join_rule"])
             else:
                 view.power_levels = PowerLevels.from_content(parsed)
-        except (ValueError, KeyError, TypeError, AuthError) as e:
+        except (ValueError, KeyError, TypeError, PersistRefused) as e:
             logger.warning("ignoring unparsable %s of room %s: %s", event_type, room_id, e)
     return rooms
 
@@ -259,8 +253,8 @@ def persist_events_txn(
         room = rooms[spec.room_id]
         try:
             decision = auth.authorize(spec, room.view, server_name=server_name, origin=spec.origin)
-        except AuthError as e:
-            results[i] = PersistResult(None, None, instance_name, (e.code, e.errcode, e.msg))
+        except PersistRefused as e:
+            results[i] = PersistResult(None, None, instance_name, e)
             continue
         local = spec.origin == server_name
         before = room.remote_hosts(server_name) if local else set()
@@ -400,22 +394,32 @@ class EventPersister:
     def owner_of(self, room_id: str) -> str:
         return shard_for(room_id, self.event_writers)
 
+    def check_owner(self, specs: Sequence[EventSpec]) -> None:
+        """Refuse events of rooms this persister does not own.
+
+        Raises:
+            WrongPersister: naming the first such room's owner.
+        """
+        for spec in specs:
+            owner = self.owner_of(spec.room_id)
+            if owner != self.instance_name:
+                raise WrongPersister(spec.room_id, owner, self.instance_name)
+
     def persist(self, specs: Sequence[EventSpec]) -> Deferred[list[PersistResult]]:
         """Queue events for the next batches; fires with one result per event.
 
         Takes events from clients and remote servers (directly or over RPC):
         each is checked against :mod:`synflow.events.bounds` first, and one
-        out of bounds gets its own 400 result without being queued.
+        out of bounds gets its own :class:`~synflow.errors.BadEvent` result
+        without being queued. A call with an event of a room another
+        persister owns is refused whole (:class:`~synflow.errors.WrongPersister`),
+        before any of its events is queued.
         """
         from twisted.internet.defer import gatherResults
 
+        self.check_owner(specs)
         ds = []
         for spec in specs:
-            owner = self.owner_of(spec.room_id)
-            if owner != self.instance_name:
-                raise HttpApiError(409, "M_WRONG_PERSISTER",
-                                   f"room {spec.room_id} belongs to event persister {owner!r}, not {self.instance_name!r}",
-                                   owner=owner)
             d: Deferred[PersistResult] = Deferred()
             refusal = event_refusal(spec.to_json())
             if refusal is not None:
@@ -479,7 +483,7 @@ class EventPersister:
                 logger.warning("persisting event %s of room %s failed alone: %s", spec.event_id or spec.txn_id,
                                spec.room_id, e)
                 result = PersistResult(None, None, self.instance_name,
-                                       (500, "M_UNKNOWN", f"the event could not be stored: {type(e).__name__}"))
+                                       NotStored("M_UNKNOWN", f"the event could not be stored: {type(e).__name__}"))
             results.append(result)
         return results
 

@@ -17,7 +17,8 @@ from twisted.python.failure import Failure
 
 from synflow.errors import HttpApiError
 from synflow.events.persist import EventPersister, EventSpec, PersistResult
-from synflow.replication.rpc import RpcClient, RpcServer
+from synflow.http.rpc import RpcClient, RpcServer
+from synflow.http.server import refusal_from_status, refusal_status
 from synflow.sharding import shard_for
 
 #: Events sent in one persist_events call at most.
@@ -86,7 +87,7 @@ class EventRouter:
         assert self.rpc is not None
         try:
             raw = await self.rpc.call(owner, "persist_events", {"events": [s.to_json() for s, _ in chunk]})
-            results = [PersistResult.from_json(r) for r in raw]
+            results = [result_from_json(r) for r in raw]
             if len(results) != len(chunk):
                 raise HttpApiError(502, "M_UNKNOWN", f"{owner!r} answered {len(results)} results for {len(chunk)} events")
         except Exception:
@@ -96,6 +97,29 @@ class EventRouter:
             return
         for (_, d), result in zip(chunk, results, strict=True):
             d.callback(result)
+
+
+def result_to_json(result: PersistResult) -> dict[str, Any]:
+    """A persist result for the internal RPC: a refusal as ``[status, errcode, message]``."""
+    error = result.error
+    return {
+        "event_id": result.event_id,
+        "stream_ordering": result.stream_ordering,
+        "instance_name": result.instance_name,
+        "error": None if error is None else [refusal_status(error), error.errcode, error.msg],
+        "duplicate": result.duplicate,
+    }
+
+
+def result_from_json(data: dict[str, Any]) -> PersistResult:
+    """A persist result another process answered (see :func:`result_to_json`).
+
+    Raises:
+        ValueError: the error's status is no refusal's.
+    """
+    error = data.get("error")
+    return PersistResult(data.get("event_id"), data.get("stream_ordering"), data["instance_name"],
+                         refusal_from_status(*error) if error else None, bool(data.get("duplicate")))
 
 
 def _first_error(failure: Failure) -> Failure:
@@ -116,16 +140,9 @@ def serve_persist(server: RpcServer, persister: EventPersister) -> None:
         if not isinstance(events, list) or not events or not all(isinstance(e, dict) for e in events):
             raise HttpApiError(400, "M_BAD_JSON", "persist_events needs a non-empty list of events")
         specs = [EventSpec.from_json(e) for e in events]
-        for spec in specs:
-            owner = persister.owner_of(spec.room_id)
-            if owner != persister.instance_name:
-                raise HttpApiError(
-                    409, "M_WRONG_PERSISTER",
-                    f"room {spec.room_id} belongs to event persister {owner!r}, not {persister.instance_name!r}",
-                    owner=owner,
-                )
+        persister.check_owner(specs)
         results = await persister.persist(specs)
-        return [r.to_json() for r in results]
+        return [result_to_json(r) for r in results]
 
     async def send_event(args: Any) -> Any:
         event = args.get("event") if isinstance(args, dict) else None

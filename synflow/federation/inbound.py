@@ -35,7 +35,7 @@ from twisted.web.iweb import IRequest
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
-from synflow.errors import HttpApiError
+from synflow.errors import HttpApiError, PersistRefused
 from synflow.events.bounds import FieldError, check_json_value
 from synflow.federation import metrics
 from synflow.federation.interfaces import DedupeStore, JsonDict
@@ -359,6 +359,8 @@ class InboundTransactionHandler:
                     logger.warning("/send %s from %s: %s; answering 503 for a retry", txn.txn_id, txn.origin, e.msg)
                     return 503, {"errcode": "M_UNKNOWN", "error": f"cannot persist now, retry: {e.msg}"}
                 results[event_id] = {"error": e.msg}
+            except PersistRefused as e:
+                results[event_id] = {"error": e.msg}  # the room rules or the persister refused this PDU
             except Exception as e:
                 logger.warning("persisting %s from %s failed: %s", event_id, txn.origin, e)
                 results[event_id] = {"error": str(e) or type(e).__name__}

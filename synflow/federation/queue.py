@@ -230,11 +230,6 @@ class PerDestinationQueue:
         """How far the destination got (None until known or if never)."""
         return self._last_successful
 
-    @property
-    def current_txn_id(self) -> str | None:
-        """The ID of the transaction being sent or awaiting a retry, if any."""
-        return self._txn.txn_id if self._txn is not None else None
-
     # -- input ------------------------------------------------------------------------
 
     def send_pdu(self, pdu: Pdu) -> None:

@@ -9,8 +9,10 @@ return ``(status, json_body)``. Everything untrusted is checked here once:
   and no deeper than the nesting limit -- otherwise 400 ``M_NOT_JSON`` /
   ``M_BAD_JSON``;
 * a handler's :class:`~synflow.errors.HttpApiError` becomes its status with
-  ``{"errcode", "error"}``; anything else is logged and answered with 500
-  ``M_UNKNOWN`` (the process keeps serving).
+  ``{"errcode", "error"}``, and so does a domain refusal
+  (:class:`~synflow.errors.PersistRefused`), through the one table from
+  refusal to status here (:func:`http_error`); anything else is logged and
+  answered with 500 ``M_UNKNOWN`` (the process keeps serving).
 """
 
 from __future__ import annotations
@@ -20,14 +22,22 @@ import logging
 import math
 import re
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Final
 
 from twisted.internet.defer import Deferred
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
-from synflow.errors import HttpApiError
+from synflow.errors import (
+    BadEvent,
+    Conflict,
+    Forbidden,
+    HttpApiError,
+    NotFound,
+    NotStored,
+    PersistRefused,
+)
 from synflow.metrics import histogram
 
 logger = logging.getLogger(__name__)
@@ -43,6 +53,43 @@ Handler = Callable[..., Awaitable[tuple[int, Any]]]
 
 DEFAULT_MAX_BODY = 1024 * 1024
 DEFAULT_MAX_DEPTH = 64
+
+
+#: The HTTP status of each kind of domain refusal (a subclass takes its nearest listed base's).
+REFUSAL_STATUS: Final[Mapping[type[PersistRefused], int]] = {
+    BadEvent: 400,
+    Forbidden: 403,
+    NotFound: 404,
+    Conflict: 409,
+    NotStored: 500,
+    PersistRefused: 400,
+}
+#: The refusal class each status stands for, when a refusal crosses the internal RPC.
+_REFUSAL_OF_STATUS: Final[Mapping[int, type[PersistRefused]]] = {
+    400: BadEvent, 403: Forbidden, 404: NotFound, 409: Conflict, 500: NotStored,
+}
+
+
+def refusal_status(refusal: PersistRefused) -> int:
+    """The HTTP status a client sees for ``refusal``."""
+    return next(REFUSAL_STATUS[cls] for cls in type(refusal).__mro__ if cls in REFUSAL_STATUS)
+
+
+def http_error(refusal: PersistRefused) -> HttpApiError:
+    """``refusal`` as the HTTP error a client sees: its status, errcode, message and extra fields."""
+    return HttpApiError(refusal_status(refusal), refusal.errcode, refusal.msg, **refusal.extra)
+
+
+def refusal_from_status(status: int, errcode: str, message: str) -> PersistRefused:
+    """The refusal that :func:`refusal_status` maps to ``status`` (a result read from the internal RPC).
+
+    Raises:
+        ValueError: ``status`` is no refusal's.
+    """
+    cls = _REFUSAL_OF_STATUS.get(status)
+    if cls is None:
+        raise ValueError(f"status {status} is not a refusal's")
+    return cls(errcode, message)
 
 
 #: Query parameters whose values never reach the access log.
@@ -275,7 +322,10 @@ class JsonResource(Resource):
                     continue
                 args = {k: v.replace("%2F", "/") for k, v in match.groupdict().items()}
                 route = handler.__name__
-                code, body = await handler(request, **args)
+                try:
+                    code, body = await handler(request, **args)
+                except PersistRefused as e:
+                    raise http_error(e) from None
                 respond_json(request, code, body)
                 REQUEST_SECONDS.labels(route=route, code=str(code)).observe(time.perf_counter() - started)
                 return

@@ -28,8 +28,8 @@ from twisted.python.failure import Failure
 
 from synflow.backoff import Backoff
 from synflow.replication.commands import AnyCommand, PositionCommand, RdataCommand, Side
-from synflow.replication.core import ConnectionCore
-from synflow.replication.hub import CommandHandler
+from synflow.replication.core import DEFAULT_OPTIONS, ConnectionCore, ConnectionOptions
+from synflow.replication.interfaces import CommandReceiver
 from synflow.replication.metrics import count_dropped
 from synflow.replication.protocol import ReplicationProtocol
 
@@ -49,7 +49,7 @@ class _ClientFactory(Factory):
             Side.CLIENT,
             server_name=svc.server_name,
             instance_name=svc.instance_name,
-            **svc.core_options,  # type: ignore[arg-type]
+            options=svc.options,
         )
         proto = ReplicationProtocol(core, svc, svc.clock)
         proto.factory = self
@@ -67,7 +67,7 @@ class ReplicationClientService(Service):
         clock: the reactor's time.
         backoff: reconnect delays.
         rng: randomness for the jitter.
-        core_options: keyword arguments for each :class:`ConnectionCore`.
+        options: each connection's keep-alive, congestion limits and secret.
     """
 
     def __init__(
@@ -76,11 +76,11 @@ class ReplicationClientService(Service):
         *,
         server_name: str,
         instance_name: str,
-        handler: CommandHandler | None,
+        handler: CommandReceiver[ReplicationProtocol] | None,
         clock: IReactorTime,
         backoff: Backoff = DEFAULT_RECONNECT_BACKOFF,
         rng: random.Random | None = None,
-        **core_options: object,
+        options: ConnectionOptions = DEFAULT_OPTIONS,
     ) -> None:
         self.endpoint = endpoint
         self.server_name = server_name
@@ -89,7 +89,7 @@ class ReplicationClientService(Service):
         self.clock = clock
         self.backoff = backoff
         self.rng = rng or random.Random()
-        self.core_options = core_options
+        self.options = options
         self.factory = _ClientFactory(self)
         self.connection: ReplicationProtocol | None = None
         self.failures = 0
@@ -179,22 +179,23 @@ class ReplicationClientService(Service):
 
     # -- CommandReceiver ---------------------------------------------------------------
 
-    def connection_made(self, conn: ReplicationProtocol) -> None:
+    def new_connection(self, conn: ReplicationProtocol) -> None:
         self.connection = conn
         self.connects += 1
         if self.handler is not None:
             self.handler.new_connection(conn)
 
-    def connection_lost(self, conn: ReplicationProtocol, reason: Failure) -> None:
+    def lost_connection(self, conn: ReplicationProtocol, reason: Failure | None = None) -> None:
         if self.connection is conn:
             self.connection = None
         if not conn.core.handshake_complete:
             self.failures += 1
         else:
             self.failures = max(self.failures, 1)
-        logger.info("replication connection to %s lost: %s", self.server_name, reason.getErrorMessage())
+        logger.info("replication connection to %s lost: %s", self.server_name,
+                    reason.getErrorMessage() if reason is not None else "no reason given")
         if self.handler is not None:
-            self.handler.lost_connection(conn)
+            self.handler.lost_connection(conn, reason)
         if self._stopped is not None:
             d, self._stopped = self._stopped, None
             d.callback(None)

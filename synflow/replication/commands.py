@@ -33,9 +33,7 @@ from typing import Any, ClassVar, Final, Protocol, TypeAlias
 import attrs
 
 from synflow.errors import LocalProtocolError, RemoteProtocolError
-
-#: Longest line accepted or sent, in bytes of UTF-8, excluding the newline.
-MAX_LINE_LENGTH: Final = 16 * 1024
+from synflow.limits import MAX_LINE_LENGTH
 
 #: The literal RDATA token of every row of a multi-row batch but the last.
 BATCH_TOKEN: Final = "batch"

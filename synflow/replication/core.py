@@ -24,7 +24,6 @@ import enum
 import hmac
 import logging
 from collections import deque
-from collections.abc import Iterable
 from typing import Final, TypeAlias
 
 import attrs
@@ -155,15 +154,11 @@ class CoreStats:
     bad_lines: int = 0
 
 
-class ConnectionCore:
-    """One replication connection's decisions, free of I/O.
+@attrs.frozen
+class ConnectionOptions:
+    """The tunables of a replication connection (the ``replication:`` config section's).
 
-    Args:
-        side: which end this is (``Side.SERVER`` for the hub, ``Side.CLIENT``
-            for a worker).
-        server_name: the server's name; sent in SERVER by a server and
-            expected in SERVER by a client.
-        instance_name: this process's instance name, sent in NAME by a client.
+    Attributes:
         ping_interval_s: send a PING after this long without sending.
         ping_timeout_s: once the peer has pinged, close after this long
             without receiving; ``None`` disables the timeout.
@@ -176,44 +171,57 @@ class ConnectionCore:
             not authenticated within this long.
     """
 
+    ping_interval_s: float = PING_INTERVAL_S
+    ping_timeout_s: float | None = PING_TIMEOUT_S
+    high_water: int = HIGH_WATER_COMMANDS
+    hard_limit: int = HARD_LIMIT_COMMANDS
+    high_water_bytes: int = HIGH_WATER_BYTES
+    hard_limit_bytes: int = HARD_LIMIT_BYTES
+    secret: str | None = attrs.field(default=None, repr=False)
+    auth_timeout_s: float = AUTH_TIMEOUT_S
+
+    def __attrs_post_init__(self) -> None:
+        if not 0 < self.high_water <= self.hard_limit:
+            raise ValueError("need 0 < high_water <= hard_limit")
+
+
+#: The options of a connection nobody configured (the ``replication:`` defaults).
+DEFAULT_OPTIONS: Final = ConnectionOptions()
+
+
+class ConnectionCore:
+    """One replication connection's decisions, free of I/O.
+
+    Args:
+        side: which end this is (``Side.SERVER`` for the hub, ``Side.CLIENT``
+            for a worker).
+        server_name: the server's name; sent in SERVER by a server and
+            expected in SERVER by a client.
+        instance_name: this process's instance name, sent in NAME by a client.
+        options: keep-alive, congestion limits and the secret.
+    """
+
     def __init__(
         self,
         side: Side,
         *,
         server_name: str,
         instance_name: str | None = None,
-        ping_interval_s: float = PING_INTERVAL_S,
-        ping_timeout_s: float | None = PING_TIMEOUT_S,
-        high_water: int = HIGH_WATER_COMMANDS,
-        hard_limit: int = HARD_LIMIT_COMMANDS,
-        high_water_bytes: int = HIGH_WATER_BYTES,
-        hard_limit_bytes: int = HARD_LIMIT_BYTES,
-        secret: str | None = None,
-        auth_timeout_s: float = AUTH_TIMEOUT_S,
+        options: ConnectionOptions = DEFAULT_OPTIONS,
     ) -> None:
         if side not in (Side.SERVER, Side.CLIENT, Side.BOTH):
             raise ValueError("a connection core is the SERVER, the CLIENT, or BOTH (a pub/sub bus)")
         if side is Side.CLIENT and not instance_name:
             raise ValueError("a client core needs its instance_name for NAME")
-        if not 0 < high_water <= hard_limit:
-            raise ValueError("need 0 < high_water <= hard_limit")
         self.side = side
         #: The command classes the peer may send (checked on every line).
         self._peer_may_send = frozenset(c for c in COMMANDS.values() if may_send(c, side.peer))
         self.server_name = server_name
         self.instance_name = instance_name
-        self.ping_interval_s = ping_interval_s
-        self.ping_timeout_s = ping_timeout_s
-        self.high_water = high_water
-        self.hard_limit = hard_limit
-        self.high_water_bytes = high_water_bytes
-        self.hard_limit_bytes = hard_limit_bytes
-
-        self.secret = secret
-        self.auth_timeout_s = auth_timeout_s
+        self.options = options
         #: Until a server with a secret sees the right AUTH, the peer gets no
         #: stream traffic and nothing it sends but AUTH is accepted.
-        self.authenticated = side is not Side.SERVER or secret is None
+        self.authenticated = side is not Side.SERVER or options.secret is None
         self.connected_at = 0.0
         self.state = State.CONNECTING
         self.peer_name: str | None = None
@@ -259,8 +267,8 @@ class ConnectionCore:
             actions += self._send_now(PingCommand(_ping_data(now)), now)
         else:
             assert self.instance_name is not None
-            if self.secret is not None:
-                actions += self._send_now(AuthCommand(self.secret), now)
+            if self.options.secret is not None:
+                actions += self._send_now(AuthCommand(self.options.secret), now)
             actions += self._send_now(NameCommand(self.instance_name), now)
             actions += self._send_now(PingCommand(_ping_data(now)), now)
             actions += self._send_now(ReplicateCommand(), now)
@@ -312,8 +320,8 @@ class ConnectionCore:
             if not isinstance(cmd, AuthCommand):
                 logger.warning("closing %s: %s before AUTH", self._describe(), cmd.NAME)
                 return self.close("authentication required: send AUTH <secret> first", now)
-            assert self.secret is not None
-            if not hmac.compare_digest(cmd.secret.encode(), self.secret.encode()):
+            assert self.options.secret is not None
+            if not hmac.compare_digest(cmd.secret.encode(), self.options.secret.encode()):
                 logger.warning("closing %s: wrong replication secret", self._describe())
                 return self.close("authentication failed", now)
             self.authenticated = True
@@ -388,7 +396,7 @@ class ConnectionCore:
                 self.stats.rows_folded += isinstance(cmd, RdataCommand)
                 return []
         data = encode_line_bytes(cmd)
-        if len(self._queue) >= self.hard_limit or self._queued_bytes + len(data) > self.hard_limit_bytes:
+        if len(self._queue) >= self.options.hard_limit or self._queued_bytes + len(data) > self.options.hard_limit_bytes:
             logger.warning(
                 "closing %s: %d commands (%d bytes) pending, peer is not reading",
                 self._describe(), len(self._queue), self._queued_bytes,
@@ -403,7 +411,7 @@ class ConnectionCore:
         return []
 
     def _over_high_water(self) -> bool:
-        return len(self._queue) >= self.high_water or self._queued_bytes >= self.high_water_bytes
+        return len(self._queue) >= self.options.high_water or self._queued_bytes >= self.options.high_water_bytes
 
     def pause(self) -> None:
         """The transport's buffers are full: queue from now on."""
@@ -443,17 +451,17 @@ class ConnectionCore:
         """Time passed: keep-alive PING and ping-timeout decisions."""
         if self.state is State.CLOSED:
             return []
-        if not self.authenticated and now - self.connected_at >= self.auth_timeout_s:
-            logger.warning("closing %s: no AUTH within %.0fs", self._describe(), self.auth_timeout_s)
+        if not self.authenticated and now - self.connected_at >= self.options.auth_timeout_s:
+            logger.warning("closing %s: no AUTH within %.0fs", self._describe(), self.options.auth_timeout_s)
             return self.close("authentication timeout", now)
         if (
             self.received_ping
-            and self.ping_timeout_s is not None
-            and now - self.last_received >= self.ping_timeout_s
+            and self.options.ping_timeout_s is not None
+            and now - self.last_received >= self.options.ping_timeout_s
         ):
             logger.warning("closing %s: nothing received for %.1fs", self._describe(), now - self.last_received)
             return self.close("ping timeout", now)
-        if now - self.last_sent >= self.ping_interval_s:
+        if now - self.last_sent >= self.options.ping_interval_s:
             return self.send(PingCommand(_ping_data(now)), now)
         return []
 
@@ -468,12 +476,8 @@ def _ping_data(now: float) -> str:
     return str(int(now * 1000))
 
 
-def lines_of(actions: Iterable[Action]) -> list[bytes]:
-    """The lines a list of actions writes (a helper for tests and transcripts)."""
-    return [a.data for a in actions if isinstance(a, SendLine)]
-
-
 __all__ = [
+    "DEFAULT_OPTIONS",
     "HARD_LIMIT_COMMANDS",
     "HIGH_WATER_COMMANDS",
     "KEEP_UP_ERROR",
@@ -483,6 +487,7 @@ __all__ = [
     "Authenticated",
     "Close",
     "ConnectionCore",
+    "ConnectionOptions",
     "Deliver",
     "HandshakeDone",
     "RemoteProtocolError",

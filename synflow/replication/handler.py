@@ -43,6 +43,7 @@ from typing import Any, Protocol
 
 from twisted.internet.defer import Deferred, DeferredLock, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.python.failure import Failure
 
 from synflow.audit import AuditLog
 from synflow.errors import ProtocolError
@@ -62,6 +63,7 @@ from synflow.replication.commands import (
     UserSyncCommand,
 )
 from synflow.replication.guard import PositionGuard
+from synflow.replication.interfaces import Connection
 from synflow.storage.id_generators import FactPayload, MultiWriterIdGenerator
 from synflow.streams import StreamDef, Writers
 from synflow.streams.tracker import Completed
@@ -75,18 +77,8 @@ PositionListener = Callable[[str, int], None]
 WAIT_FOR_POSITION_TIMEOUT_S = 5.0
 
 
-class Connection(Protocol):
-    def send_command(self, cmd: AnyCommand) -> None: ...
-
-
 class Source(Protocol):
     def get_updates(self, instance: str, from_token: int, to_token: int, limit: int = ...) -> Deferred[Any]: ...
-
-
-class Transport(Protocol):
-    """Where the handler's own commands go (the hub, the client, Redis)."""
-
-    def send_command(self, cmd: AnyCommand) -> None: ...
 
 
 class _StreamView:
@@ -157,7 +149,8 @@ class ReplicationHandler:
         self.tick_interval_s = tick_interval_s
         self.persist = persist
         self.guard = guard
-        self.transport: Transport | None = None
+        #: Where this process's own commands go (the hub, the client service, Redis).
+        self.transport: Connection | None = None
         self.stats = HandlerStats()
         initial = initial_positions or {}
         self.views = {name: _StreamView(s, initial.get(name, {})) for name, s in streams.items()}
@@ -188,7 +181,7 @@ class ReplicationHandler:
 
     # -- wiring ------------------------------------------------------------------------
 
-    def set_transport(self, transport: Transport) -> None:
+    def set_transport(self, transport: Connection) -> None:
         self.transport = transport
 
     def add_row_handler(self, stream: str, fn: RowHandler) -> None:
@@ -279,7 +272,8 @@ class ReplicationHandler:
             self._announced[name] = pos
             conn.send_command(PositionCommand(name, self.instance_name, pos, pos))
 
-    def lost_connection(self, conn: Connection) -> None:
+    def lost_connection(self, conn: Connection, reason: Failure | None = None) -> None:
+        """A connection went away: its writers' next commands start from a POSITION again."""
         self._connected.pop(id(conn), None)
 
     def on_command(self, conn: Connection, cmd: AnyCommand) -> None:

@@ -19,7 +19,7 @@ handler, against the database (``guard.py``).
 from __future__ import annotations
 
 import logging
-from typing import Final, Protocol
+from typing import Final
 
 from twisted.internet.interfaces import IAddress, IReactorTime
 from twisted.internet.protocol import ServerFactory
@@ -33,23 +33,14 @@ from synflow.replication.commands import (
     ReplicateCommand,
     Side,
 )
-from synflow.replication.core import ConnectionCore
-from synflow.replication.protocol import ReplicationConnection, ReplicationProtocol
+from synflow.replication.core import DEFAULT_OPTIONS, ConnectionCore, ConnectionOptions
+from synflow.replication.interfaces import CommandReceiver
+from synflow.replication.protocol import ReplicationProtocol
 
 logger = logging.getLogger(__name__)
 
 #: The commands the hub forwards from one connection to all the others.
 RELAYED_COMMANDS: Final = (RdataCommand, PositionCommand, ReplicateCommand, RemoteServerUpCommand)
-
-
-class CommandHandler(Protocol):
-    """The replication handler's side of a transport."""
-
-    def new_connection(self, conn: ReplicationConnection) -> None: ...
-
-    def lost_connection(self, conn: ReplicationConnection) -> None: ...
-
-    def on_command(self, conn: ReplicationConnection, cmd: AnyCommand) -> None: ...
 
 
 class ReplicationHub:
@@ -59,24 +50,25 @@ class ReplicationHub:
         handler: the master's command handler, or None for a relay-only hub.
     """
 
-    def __init__(self, handler: CommandHandler | None = None) -> None:
+    def __init__(self, handler: CommandReceiver[ReplicationProtocol] | None = None) -> None:
         self.handler = handler
         self.connections: list[ReplicationProtocol] = []
         self.relayed = 0
 
     # -- CommandReceiver -----------------------------------------------------------
 
-    def connection_made(self, conn: ReplicationProtocol) -> None:
+    def new_connection(self, conn: ReplicationProtocol) -> None:
         self.connections.append(conn)
         if self.handler is not None:
             self.handler.new_connection(conn)
 
-    def connection_lost(self, conn: ReplicationProtocol, reason: Failure) -> None:
+    def lost_connection(self, conn: ReplicationProtocol, reason: Failure | None = None) -> None:
         if conn in self.connections:
             self.connections.remove(conn)
-        logger.info("replication connection from %s closed: %s", conn.peer_name, reason.getErrorMessage())
+        logger.info("replication connection from %s closed: %s", conn.peer_name,
+                    reason.getErrorMessage() if reason is not None else "no reason given")
         if self.handler is not None:
-            self.handler.lost_connection(conn)
+            self.handler.lost_connection(conn, reason)
 
     def on_command(self, conn: ReplicationProtocol, cmd: AnyCommand) -> None:
         if isinstance(cmd, RELAYED_COMMANDS):
@@ -118,8 +110,7 @@ class ReplicationServerFactory(ServerFactory):
         hub: where connections and commands go.
         server_name: sent in SERVER to every client.
         clock: the reactor's time.
-        core_options: keyword arguments for each :class:`ConnectionCore`
-            (ping interval and timeout, congestion limits).
+        options: each connection's keep-alive, congestion limits and secret.
     """
 
     def __init__(
@@ -127,15 +118,15 @@ class ReplicationServerFactory(ServerFactory):
         hub: ReplicationHub,
         server_name: str,
         clock: IReactorTime,
-        **core_options: object,
+        options: ConnectionOptions = DEFAULT_OPTIONS,
     ) -> None:
         self.hub = hub
         self.server_name = server_name
         self.clock = clock
-        self.core_options = core_options
+        self.options = options
 
     def buildProtocol(self, addr: IAddress | None) -> ReplicationProtocol:
-        core = ConnectionCore(Side.SERVER, server_name=self.server_name, **self.core_options)  # type: ignore[arg-type]
+        core = ConnectionCore(Side.SERVER, server_name=self.server_name, options=self.options)
         proto = ReplicationProtocol(core, self.hub, self.clock)
         proto.factory = self
         return proto

@@ -7,9 +7,9 @@ its transport, so a full socket buffer pauses it and the core starts queueing.
 Everything protocol-shaped -- parsing, direction checks, keep-alive, the
 congestion policy -- lives in the core; this file only moves bytes.
 
-A :class:`CommandReceiver` gets told about connections and the commands they
-deliver: the TCP hub (``hub.py``) on the master, the client service
-(``client.py``) on a worker. On a hub with a secret it hears of a connection
+A :class:`~synflow.replication.interfaces.CommandReceiver` gets told about
+connections and the commands they deliver: the TCP hub (``hub.py``) on the
+master, the client service (``client.py``) on a worker. On a hub with a secret it hears of a connection
 only once the peer has authenticated, so an unauthenticated peer is never
 among those the streams are relayed to.
 """
@@ -17,7 +17,7 @@ among those the streams are relayed to.
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol
+from typing import Any
 
 from twisted.internet.defer import Deferred
 from twisted.internet.error import ConnectionLost
@@ -37,6 +37,7 @@ from synflow.replication.core import (
     SendLine,
     State,
 )
+from synflow.replication.interfaces import CommandReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -46,25 +47,6 @@ TICK_INTERVAL_S = 1.0
 CLOSE_TIMEOUT_S = 15.0
 #: Lines flushed per step while draining the queue, so a pause stops the drain.
 _FLUSH_STEP = 64
-
-
-class ReplicationConnection(Protocol):
-    """What the command handler sees of a connection (TCP, Redis, or a test fake)."""
-
-    @property
-    def peer_name(self) -> str | None: ...
-
-    def send_command(self, cmd: AnyCommand) -> None: ...
-
-
-class CommandReceiver(Protocol):
-    """Told about connections coming and going and the commands they deliver."""
-
-    def connection_made(self, conn: ReplicationProtocol) -> None: ...
-
-    def connection_lost(self, conn: ReplicationProtocol, reason: Failure) -> None: ...
-
-    def on_command(self, conn: ReplicationProtocol, cmd: AnyCommand) -> None: ...
 
 
 @implementer(IPushProducer)
@@ -85,7 +67,7 @@ class ReplicationProtocol(LineOnlyReceiver):
     def __init__(
         self,
         core: ConnectionCore,
-        receiver: CommandReceiver,
+        receiver: CommandReceiver[ReplicationProtocol],
         clock: IReactorTime,
         *,
         tick_interval_s: float = TICK_INTERVAL_S,
@@ -179,7 +161,7 @@ class ReplicationProtocol(LineOnlyReceiver):
         for d in waiters:
             d.errback(Failure(ConnectionLost("replication connection closed before the handshake")))
         if self._announced:
-            self.receiver.connection_lost(self, reason)
+            self.receiver.lost_connection(self, reason)
 
     # -- IPushProducer ----------------------------------------------------------------
 
@@ -218,7 +200,7 @@ class ReplicationProtocol(LineOnlyReceiver):
     def _announce(self) -> None:
         if not self._announced:
             self._announced = True
-            self.receiver.connection_made(self)
+            self.receiver.new_connection(self)
 
     def _deliver(self, cmd: AnyCommand) -> None:
         try:

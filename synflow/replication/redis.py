@@ -35,15 +35,15 @@ from typing import Any, Final
 
 import txredisapi
 from twisted.application.service import Service
-from twisted.internet import defer, ssl
+from twisted.internet import defer
 from twisted.internet.defer import Deferred
-from twisted.internet.endpoints import TCP4ClientEndpoint, UNIXClientEndpoint, wrapClientTLS
 from twisted.internet.interfaces import IDelayedCall, IStreamClientEndpoint
 from twisted.protocols.tls import TLSMemoryBIOProtocol
 from twisted.python.failure import Failure
 
-from synflow.config import RedisConfig, SynflowConfig
+from synflow.config import SynflowConfig
 from synflow.errors import ConfigError, SynflowError
+from synflow.redis_connect import redis_endpoint, redis_password
 from synflow.replication.commands import (
     AnyCommand,
     PositionCommand,
@@ -51,8 +51,8 @@ from synflow.replication.commands import (
     ReplicateCommand,
     Side,
 )
-from synflow.replication.core import ConnectionCore, Deliver, SendLine
-from synflow.replication.hub import CommandHandler
+from synflow.replication.core import ConnectionCore, ConnectionOptions, Deliver, SendLine
+from synflow.replication.interfaces import CommandReceiver
 from synflow.replication.metrics import count_dropped
 
 logger = logging.getLogger(__name__)
@@ -63,40 +63,12 @@ MAX_MESSAGE_BYTES = 256 * 1024
 #: The commands whose loss catch-up repairs (a later POSITION reveals the gap).
 _STREAM_NAMES: Final = frozenset({RdataCommand.NAME, PositionCommand.NAME})
 
+#: A pub/sub bus has no peer to ping: no keep-alive and no ping timeout.
+BUS_OPTIONS: Final = ConnectionOptions(ping_interval_s=float("inf"), ping_timeout_s=None)
+
 
 class RedisStartupError(SynflowError):
     """Redis refused us (bad password, bad database number, ...)."""
-
-
-def redis_password(cfg: RedisConfig) -> str | None:
-    if cfg.password is not None:
-        return cfg.password
-    if cfg.password_file is not None:
-        with open(cfg.password_file, encoding="utf-8") as f:
-            return f.read().strip()
-    return None
-
-
-def redis_endpoint(reactor: Any, cfg: RedisConfig) -> IStreamClientEndpoint:
-    """The client endpoint for a Redis config: Unix socket, TCP, or TLS over TCP."""
-    if cfg.path:
-        return UNIXClientEndpoint(reactor, cfg.path, timeout=cfg.connect_timeout_s)
-    endpoint: IStreamClientEndpoint = TCP4ClientEndpoint(reactor, cfg.host, cfg.port, timeout=cfg.connect_timeout_s)
-    if cfg.tls is not None:
-        kwargs: dict[str, Any] = {}
-        if cfg.tls.ca_file:
-            with open(cfg.tls.ca_file, "rb") as f:
-                kwargs["trustRoot"] = ssl.Certificate.loadPEM(f.read())
-        if cfg.tls.cert_file:
-            with open(cfg.tls.cert_file, "rb") as f:
-                cert = f.read()
-            key = cert
-            if cfg.tls.key_file:
-                with open(cfg.tls.key_file, "rb") as f:
-                    key = f.read()
-            kwargs["clientCertificate"] = ssl.PrivateCertificate.loadPEM(cert + b"\n" + key)
-        endpoint = wrapClientTLS(ssl.optionsForClientTLS(cfg.host, **kwargs), endpoint)
-    return endpoint
 
 
 def channel_name(config: SynflowConfig) -> str:
@@ -211,7 +183,7 @@ class RedisTransportService(Service):
         endpoint: connect here instead of the configured server (tests).
     """
 
-    def __init__(self, config: SynflowConfig, handler: CommandHandler | None, reactor: Any,
+    def __init__(self, config: SynflowConfig, handler: CommandReceiver[RedisConnection] | None, reactor: Any,
                  rng: random.Random | None = None, endpoint: IStreamClientEndpoint | None = None) -> None:
         self.endpoint = endpoint
         self.config = config
@@ -221,8 +193,7 @@ class RedisTransportService(Service):
         self.channel = channel_name(config)
         self.one_line_per_message = self.redis.one_line_per_message
         self.core = ConnectionCore(Side.BOTH, server_name=config.server_name,
-                                   instance_name=config.instance_name, ping_timeout_s=None,
-                                   ping_interval_s=float("inf"))
+                                   instance_name=config.instance_name, options=BUS_OPTIONS)
         self.connection: RedisConnection | None = None
         self._subscriber: Any = None
         self._publisher: Any = None

@@ -1,55 +1,25 @@
-"""Catch-up sources: missed rows of one writer, paged from the database.
+"""The old home of :class:`~synflow.storage.sources.DatabaseSource`.
 
-A reader that finds a gap in a writer's positions (``POSITION prev new``
-with its own position below ``prev``) asks the stream's source for the rows
-that writer wrote in ``(from, to]``, about :data:`PAGE_ROWS` at a time, and
-applies them before advancing. Every synflow stream is backed by a table, so
-every source reads the shared database.
+Catch-up sources read the database, so they live in the storage layer
+(:mod:`synflow.storage.sources`). The old names resolve from there on first
+use (so importing the streams package never imports storage) only until
+``synflow.testing.conformance`` imports them from their new home; then this
+module goes. New code imports from :mod:`synflow.storage.sources`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from twisted.internet.defer import Deferred
+if TYPE_CHECKING:
+    from synflow.storage.sources import PAGE_ROWS, DatabaseSource, Updates
 
-from synflow.storage.engines import Database, Txn
-from synflow.streams import StreamDef
-
-#: Rows fetched per page of a catch-up.
-PAGE_ROWS = 100
-
-Updates = tuple[list[tuple[int, Any]], int, bool]
+__all__ = ["PAGE_ROWS", "DatabaseSource", "Updates"]
 
 
-class DatabaseSource:
-    """Reads one stream's rows of one writer from its backing table."""
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from synflow.storage import sources
 
-    def __init__(self, db: Database, stream: StreamDef) -> None:
-        self.db = db
-        self.stream = stream
-        cols = ", ".join((stream.id_column, *stream.select))
-        self._sql = (
-            f"SELECT {cols} FROM {stream.table} WHERE {stream.instance_column} = ? "
-            f"AND {stream.id_column} > ? AND {stream.id_column} <= ? ORDER BY {stream.id_column} LIMIT ?"
-        )
-
-    def get_updates(self, instance: str, from_token: int, to_token: int, limit: int = PAGE_ROWS) -> Deferred[Updates]:
-        """Rows of ``instance`` in ``(from_token, to_token]``, oldest first.
-
-        Returns:
-            ``(updates, upto, limited)``: ``(token, row)`` pairs; the token the
-            page reaches (``to_token`` unless limited); whether more remain.
-        """
-        return self.db.run_interaction(
-            f"catch_up_{self.stream.name}", self._get_updates_txn, instance, from_token, to_token, limit,
-            idempotent=True,
-        )
-
-    def _get_updates_txn(self, txn: Txn, instance: str, from_token: int, to_token: int, limit: int) -> Updates:
-        txn.execute(self._sql, (instance, from_token, to_token, limit))
-        rows = txn.fetchall()
-        updates = [(int(r[0]), self.stream.row_from_db(tuple(r[1:]))) for r in rows]
-        if len(rows) == limit:
-            return updates, updates[-1][0], True
-        return updates, to_token, False
+        return getattr(sources, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import attrs
 
@@ -159,13 +159,3 @@ class PositionTracker(Generic[P]):
             self.position = self.max_seen_allocated
             return self.position
         return None
-
-    def debug_state(self) -> dict[str, Any]:
-        """A snapshot for logs and /health."""
-        return {
-            "position": self.position,
-            "max_seen_allocated": self.max_seen_allocated,
-            "unfinished": sorted(self._unfinished),
-            "waiting": sorted(self._finished),
-            "fetches": len(self._fetches),
-        }

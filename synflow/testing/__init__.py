@@ -23,32 +23,23 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from synflow.replication.commands import AnyCommand, Side, parse_line
-from synflow.replication.core import ConnectionCore
+from synflow.replication.core import DEFAULT_OPTIONS, ConnectionCore, ConnectionOptions
 from synflow.replication.protocol import ReplicationProtocol
 
 
 class RecordingReceiver:
-    """A command receiver/handler that remembers everything it is told.
-
-    It implements both the adapter-level ``CommandReceiver`` interface
-    (``connection_made``/``connection_lost``/``on_command``) and the
-    handler-level one (``new_connection``/``lost_connection``/``on_command``).
-    """
+    """A :class:`~synflow.replication.interfaces.CommandReceiver` (of any connection)
+    that remembers everything it is told."""
 
     def __init__(self) -> None:
         self.commands: list[tuple[Any, AnyCommand]] = []
         self.made: list[Any] = []
         self.lost: list[Any] = []
 
-    def connection_made(self, conn: Any) -> None:
+    def new_connection(self, conn: Any) -> None:
         self.made.append(conn)
 
-    def connection_lost(self, conn: Any, reason: Failure | None = None) -> None:
-        self.lost.append(conn)
-
-    new_connection = connection_made
-
-    def lost_connection(self, conn: Any) -> None:
+    def lost_connection(self, conn: Any, reason: Failure | None = None) -> None:
         self.lost.append(conn)
 
     def on_command(self, conn: Any, cmd: AnyCommand) -> None:
@@ -81,14 +72,14 @@ def make_protocol(
     *,
     server_name: str = "test.server",
     instance_name: str = "worker1",
-    **core_options: Any,
+    options: ConnectionOptions = DEFAULT_OPTIONS,
 ) -> ReplicationProtocol:
     """A real replication protocol with a fresh core, not yet connected."""
     core = ConnectionCore(
         side,
         server_name=server_name,
         instance_name=instance_name if side is Side.CLIENT else None,
-        **core_options,
+        options=options,
     )
     return ReplicationProtocol(core, receiver, clock)
 

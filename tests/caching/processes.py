@@ -30,9 +30,9 @@ from synflow.storage.id_generators import (
     StreamWriters,
     load_stream_state_txn,
 )
+from synflow.storage.sources import DatabaseSource
 from synflow.storage.stores import DataStore
 from synflow.streams import Writers
-from synflow.streams.sources import DatabaseSource
 
 SERVER = "hs"
 WRITER = "persister1"

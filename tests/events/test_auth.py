@@ -7,12 +7,12 @@ from typing import Any
 import attrs
 from twisted.trial.unittest import SynchronousTestCase
 
+from synflow.errors import PersistRefused
 from synflow.events.auth import (
     CREATE,
     JOIN_RULES,
     MEMBER,
     POWER_LEVELS,
-    AuthError,
     Decision,
     JoinRule,
     PowerLevels,
@@ -20,6 +20,7 @@ from synflow.events.auth import (
     apply,
     authorize,
 )
+from synflow.http.server import refusal_status
 
 HS = "hs.test"
 REMOTE = "remote.test"
@@ -164,15 +165,15 @@ TABLE: list[tuple[str, Ev, RoomView, str, Any]] = [
 
 class AuthRulesTest(SynchronousTestCase):
     def test_table(self) -> None:
-        """Every row of the rule table gets its decision or its refusal (status, errcode, reason)."""
+        """Every row of the rule table gets its decision or its refusal (status at the HTTP edge, errcode, reason)."""
         for name, event, view, origin, expected in TABLE:
             if isinstance(expected, Decision):
                 self.assertEqual(authorize(event, view, server_name=HS, origin=origin), expected, name)
                 continue
-            with self.assertRaises(AuthError, msg=name) as caught:
+            with self.assertRaises(PersistRefused, msg=name) as caught:
                 authorize(event, view, server_name=HS, origin=origin)
             code, errcode, part = expected
-            self.assertEqual((caught.exception.code, caught.exception.errcode), (code, errcode), name)
+            self.assertEqual((refusal_status(caught.exception), caught.exception.errcode), (code, errcode), name)
             self.assertIn(part, caught.exception.msg, name)
 
     def test_apply_tracks_state_for_the_next_event(self) -> None:
@@ -182,13 +183,13 @@ class AuthRulesTest(SynchronousTestCase):
                       Ev(ROOM, POWER_LEVELS, ALICE, PowerLevels.for_new_room(ALICE).to_content(), "")):
             apply(event, view, authorize(event, view, server_name=HS, origin=HS))
         self.assertEqual((view.creator, view.members), (ALICE, {ALICE: "join"}))
-        self.assertRaises(AuthError, authorize, member(BOB, BOB, "join"), view, server_name=HS, origin=HS)
+        self.assertRaises(PersistRefused, authorize, member(BOB, BOB, "join"), view, server_name=HS, origin=HS)
         public = Ev(ROOM, JOIN_RULES, ALICE, {"join_rule": "public"}, "")
         apply(public, view, authorize(public, view, server_name=HS, origin=HS))
         join = member(BOB, BOB, "join")
         apply(join, view, authorize(join, view, server_name=HS, origin=HS))
         self.assertEqual(view.members[BOB], "join")
-        self.assertRaises(AuthError, authorize, Ev(ROOM, "m.room.topic", BOB, {}, ""), view, server_name=HS, origin=HS)
+        self.assertRaises(PersistRefused, authorize, Ev(ROOM, "m.room.topic", BOB, {}, ""), view, server_name=HS, origin=HS)
 
     def test_vouched_inviter_is_recorded(self) -> None:
         """An accepted invite into an unknown room records the inviter as joined and the invitee as invited."""

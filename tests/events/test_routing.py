@@ -16,7 +16,7 @@ from twisted.web.http_headers import Headers
 from synflow.config import HostPort
 from synflow.errors import HttpApiError
 from synflow.events.persist import CREATE, EventSpec
-from synflow.replication.rpc import PREFIX, PositionSource, RpcClient
+from synflow.http.rpc import PREFIX, PositionSource, RpcClient
 from synflow.sharding import shard_for
 from tests.cluster import single_master, single_master_with_user
 

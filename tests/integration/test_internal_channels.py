@@ -26,7 +26,7 @@ import yaml
 from twisted.internet.defer import ensureDeferred, inlineCallbacks
 from twisted.trial.unittest import TestCase
 
-from synflow.replication.rpc import PREFIX as RPC_PREFIX
+from synflow.http.rpc import PREFIX as RPC_PREFIX
 from synflow.sharding import shard_for
 from synflow.tools.client import Client, new_pool
 from synflow.tools.deploy import DEFAULT_PORTS, free_port, make_deployment

@@ -35,6 +35,7 @@ from synflow.replication.commands import (
     may_send,
     parse_line,
 )
+from synflow.replication.core import ConnectionOptions
 from synflow.testing import RecordingReceiver, attach, make_protocol
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "..", "data", "commands.golden")
@@ -122,7 +123,8 @@ class RoundTripTest(SynchronousTestCase):
         data = b"".join(encode_line(c).encode("utf-8") + b"\n" for c in cmds)
         for step in (len(data), chunk, 1):
             receiver = RecordingReceiver()
-            proto = make_protocol(side, receiver, Clock(), server_name=SERVER_NAME, ping_timeout_s=None)
+            proto = make_protocol(side, receiver, Clock(), server_name=SERVER_NAME,
+                                  options=ConnectionOptions(ping_timeout_s=None))
             transport = attach(proto)
             for i in range(0, len(data), step):
                 proto.dataReceived(data[i : i + step])

@@ -10,7 +10,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from synflow import registry
 from synflow.replication.commands import PositionCommand, RdataCommand, Side
-from synflow.replication.core import AUTH_TIMEOUT_S
+from synflow.replication.core import AUTH_TIMEOUT_S, ConnectionOptions
 from synflow.replication.guard import REFUSAL_LOG_INTERVAL_S, PositionGuard
 from synflow.replication.handler import ReplicationHandler
 from synflow.replication.hub import ReplicationHub
@@ -183,12 +183,14 @@ class HubGuardTest(SynchronousTestCase):
             initial_positions={"events": {"persister1": 10, "persister2": 10}}, guard=self.guard,
         )
         self.hub = ReplicationHub(self.handler)
-        self.reader = make_protocol(Side.SERVER, self.hub, self.clock, server_name="hs", secret="s3cret")
+        self.reader = make_protocol(Side.SERVER, self.hub, self.clock, server_name="hs",
+                                    options=ConnectionOptions(secret="s3cret"))
         attach(self.reader, 40010)
         self.reader.dataReceived(b"AUTH s3cret\nNAME persister2\n")
 
     def connect(self):
-        proto = make_protocol(Side.SERVER, self.hub, self.clock, server_name="hs", secret="s3cret")
+        proto = make_protocol(Side.SERVER, self.hub, self.clock, server_name="hs",
+                              options=ConnectionOptions(secret="s3cret"))
         return proto, attach(proto, 40011)
 
     def test_forged_position_with_the_secret_refused(self):

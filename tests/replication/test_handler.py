@@ -383,12 +383,12 @@ class _Worker:
     def __init__(self, handler):
         self.handler = handler
 
-    def connection_made(self, conn):
+    def new_connection(self, conn):
         self.handler.new_connection(conn)
         self.handler.set_transport(conn)
 
-    def connection_lost(self, conn, reason):
-        self.handler.lost_connection(conn)
+    def lost_connection(self, conn, reason=None):
+        self.handler.lost_connection(conn, reason)
 
     def on_command(self, conn, cmd):
         self.handler.on_command(conn, cmd)

@@ -26,6 +26,7 @@ from synflow.replication.commands import (
     ServerCommand,
     Side,
 )
+from synflow.replication.core import ConnectionOptions
 from synflow.testing import PumpTransport, RecordingReceiver, attach, make_protocol, sent_lines
 
 T0 = 1490197665.618
@@ -38,13 +39,14 @@ def _dropped(command: str) -> float:
 
 def _server(clock, **kw):
     receiver = RecordingReceiver()
-    proto = make_protocol(Side.SERVER, receiver, clock, server_name="example.com", **kw)
+    proto = make_protocol(Side.SERVER, receiver, clock, server_name="example.com", options=ConnectionOptions(**kw))
     return proto, attach(proto), receiver
 
 
 def _client(clock, **kw):
     receiver = RecordingReceiver()
-    proto = make_protocol(Side.CLIENT, receiver, clock, server_name="example.com", instance_name="persister1", **kw)
+    proto = make_protocol(Side.CLIENT, receiver, clock, server_name="example.com", instance_name="persister1",
+                          options=ConnectionOptions(**kw))
     return proto, attach(proto), receiver
 
 

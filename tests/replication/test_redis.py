@@ -17,6 +17,7 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from synflow import registry
 from synflow.config import RedisConfig, TlsConfig, load_config
+from synflow.redis_connect import redis_endpoint
 from synflow.replication.commands import (
     ClearUserSyncCommand,
     FederationAckCommand,
@@ -28,7 +29,7 @@ from synflow.replication.commands import (
     UserSyncCommand,
 )
 from synflow.replication.handler import ReplicationHandler
-from synflow.replication.redis import RedisTransportService, redis_endpoint
+from synflow.replication.redis import RedisTransportService
 from synflow.storage.id_generators import FactPayload, MultiWriterIdGenerator
 from synflow.streams import EVENTS, EventsRow
 from synflow.testing import FakeRedisServer, RecordingReceiver

@@ -30,7 +30,7 @@ from synflow.replication.commands import (
     may_send,
     parse_line,
 )
-from synflow.replication.core import ConnectionCore
+from synflow.replication.core import ConnectionCore, ConnectionOptions
 from synflow.replication.hub import ReplicationHub
 from synflow.replication.protocol import ReplicationProtocol
 from synflow.testing import RecordingReceiver, attach, sent_lines
@@ -215,7 +215,7 @@ class HubOverTcpTest(TestCase):
                 clock=reactor,
                 backoff=Backoff(initial_s=0.05, max_s=0.5),
                 rng=random.Random(i),
-                secret=self.secret,
+                options=ConnectionOptions(secret=self.secret),
             )
             svc.startService()
             self.addCleanup(svc.stopService)
@@ -262,7 +262,7 @@ class HubWithSecretTest(TestCase):
         svc = ReplicationClientService(
             TCP4ClientEndpoint(reactor, "127.0.0.1", self.port), server_name="tcp.test", instance_name="w1",
             handler=receiver, clock=reactor, backoff=Backoff(initial_s=0.05, max_s=0.5), rng=random.Random(1),
-            secret="s3cret",
+            options=ConnectionOptions(secret="s3cret"),
         )
         svc.startService()
         self.addCleanup(svc.stopService)

@@ -9,6 +9,7 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from synflow.replication.commands import Side, parse_line
+from synflow.replication.core import ConnectionOptions
 from synflow.testing import RecordingReceiver, attach, make_protocol, sent_lines
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "protocol.md")
@@ -48,7 +49,8 @@ def replay(testcase: SynchronousTestCase, name: str, lines: list[str]) -> None:
     clock.advance(start)
     receiver = RecordingReceiver()
     proto = make_protocol(
-        side, receiver, clock, server_name="example.com", instance_name="event_persister1", **options
+        side, receiver, clock, server_name="example.com", instance_name="event_persister1",
+        options=ConnectionOptions(**options)
     )
     transport = attach(proto)
     own, peer = (">", "<") if side is Side.SERVER else ("<", ">")

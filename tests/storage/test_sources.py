@@ -8,8 +8,8 @@ from typing import Any
 from twisted.trial.unittest import TestCase
 
 from synflow.storage.engines import Database, Txn
+from synflow.storage.sources import PAGE_ROWS, DatabaseSource
 from synflow.streams import CACHES, EVENTS, FEDERATION, CachesRow, EventsRow, FederationRow
-from synflow.streams.sources import PAGE_ROWS, DatabaseSource
 from tests.dbutil import make_database
 
 EVENT_COLUMNS = ("stream_ordering", "instance_name", "event_id", "room_id", "type", "state_key", "sender",

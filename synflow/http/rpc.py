@@ -16,6 +16,9 @@ the call wrote is visible to the caller afterwards -- on any process.
 * The ``txn_id`` makes retries idempotent: the receiver keeps each response
   for :data:`RESPONSE_CACHE_S` and replays it (or waits for the first
   attempt still running) instead of running the call again.
+* A method raises :class:`HttpApiError` or a domain refusal
+  (:class:`~synflow.errors.PersistRefused`, answered with the status
+  :func:`~synflow.http.server.http_error` gives it).
 * Connect errors and timeouts are retried with backoff and the same
   ``txn_id``; an error the receiver answers (``{errcode, error}`` with a
   status) is raised to the caller as the same :class:`HttpApiError`, so a
@@ -47,8 +50,8 @@ from zope.interface import implementer
 
 from synflow.backoff import Backoff
 from synflow.config import HostPort
-from synflow.errors import HttpApiError
-from synflow.http.server import JsonResource, bearer_token, no_delay
+from synflow.errors import HttpApiError, PersistRefused
+from synflow.http.server import JsonResource, bearer_token, http_error, no_delay
 from synflow.metrics import counter, histogram
 from synflow.util import observe, sleep
 
@@ -167,7 +170,10 @@ class RpcServer(JsonResource):
             await self.positions.wait_for(positions)
             waited = time.perf_counter()
             RPC_SECONDS.labels(name=name, side="server", phase="wait").observe(waited - started)
-            result = await method(body.get("args", {}))
+            try:
+                result = await method(body.get("args", {}))
+            except PersistRefused as refused:
+                raise http_error(refused) from None
             RPC_SECONDS.labels(name=name, side="server", phase="run").observe(time.perf_counter() - waited)
         except HttpApiError as e:
             RPC_SERVED.labels(name=name, outcome=str(e.code)).inc()

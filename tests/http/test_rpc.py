@@ -20,10 +20,10 @@ from twisted.web.http_headers import Headers
 from synflow.backoff import Backoff
 from synflow.config import HostPort
 from synflow.errors import HttpApiError
+from synflow.http.rpc import PREFIX, RESPONSE_CACHE_S, PositionSource, RpcClient, RpcServer
 from synflow.http.site import HealthResource, build_site
 from synflow.replication.commands import PositionCommand
 from synflow.replication.handler import ReplicationHandler
-from synflow.replication.rpc import PREFIX, RESPONSE_CACHE_S, PositionSource, RpcClient, RpcServer
 from tests.replication.fakes import DiscardingConn, positions_view
 
 SECRET = "s"

@@ -1,0 +1,49 @@
+"""The two roles every replication transport plays, named once.
+
+A :class:`Connection` is anything a command can be sent to: one TCP
+connection (:class:`~synflow.replication.protocol.ReplicationProtocol`), one
+Redis subscription, or a whole transport as the handler sends its own
+commands through it (the hub, the worker's client service, the Redis
+service).
+
+A :class:`CommandReceiver` is told about connections coming and going and
+the commands they deliver: the replication handler, and between a TCP
+connection and the handler the hub (on the master) or the client service (on
+a worker), which pass everything on. It is generic in the connection it
+receives: the hub needs a :class:`ReplicationProtocol` (it closes them), the
+handler takes any :class:`Connection`, so the handler can stand wherever a
+receiver of TCP connections or of Redis subscriptions is expected.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, TypeVar
+
+from twisted.python.failure import Failure
+
+from synflow.replication.commands import AnyCommand
+
+__all__ = ["CommandReceiver", "Connection"]
+
+
+class Connection(Protocol):
+    """Where commands can be sent."""
+
+    def send_command(self, cmd: AnyCommand) -> None:
+        """Send ``cmd`` (or queue it, or drop it while disconnected: the implementer decides)."""
+
+
+C_contra = TypeVar("C_contra", bound=Connection, contravariant=True)
+
+
+class CommandReceiver(Protocol[C_contra]):
+    """Told about connections coming and going, and the commands they deliver."""
+
+    def new_connection(self, conn: C_contra) -> None:
+        """``conn`` is up (on a hub with a secret: authenticated)."""
+
+    def lost_connection(self, conn: C_contra, reason: Failure | None = None) -> None:
+        """``conn`` is gone, for ``reason`` when the transport knows it."""
+
+    def on_command(self, conn: C_contra, cmd: AnyCommand) -> None:
+        """``conn`` delivered ``cmd``."""
