@@ -13,16 +13,23 @@ import sys
 
 from tests.plugins import EXAMPLE, install_example
 
-if EXAMPLE not in sys.path:
-    sys.path.append(EXAMPLE)  # synflow_receipts, imported in place
-
 
 def _load(path: str, name: str):
+    """Import the example's test module (and through it synflow_receipts) from the checkout.
+
+    The checkout is on ``sys.path`` only while importing: left there, a
+    ``.egg-info`` an in-tree build may leave would register the example for
+    every later test.
+    """
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    sys.path.insert(0, EXAMPLE)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(EXAMPLE)
     return module
 
 

@@ -100,8 +100,8 @@ from synflow.storage.id_generators import (
 )
 from synflow.storage.instances import InstanceMap
 from synflow.storage.prepare import prepare_database, prepare_plugin_schemas
+from synflow.storage.sources import DatabaseSource
 from synflow.streams import StreamDef, StreamRowError, Writers
-from synflow.streams.sources import DatabaseSource
 from synflow.tokens import StreamToken
 
 if TYPE_CHECKING:

@@ -77,15 +77,17 @@ class PluginPackagesTest(SynchronousTestCase):
         os.makedirs(self.dir)
         tutorial = os.path.join(self.dir, "synflow-greetings")
         self.tutorial_files = write_tutorial_package(tutorial)
+        # Built from a copy: an in-tree build would leave build/ and .egg-info in the checkout.
+        example = os.path.join(self.dir, "receipts")
+        shutil.copytree(os.path.join(ROOT, "examples", "receipts"), example)
         self.venv = os.path.join(self.dir, "venv")
         subprocess.run([sys.executable, "-m", "venv", self.venv], check=True)
-        result = subprocess.run([self.bin("pip"), "install", "--quiet", ROOT, tutorial,
-                                 os.path.join(ROOT, "examples", "receipts")],
+        result = subprocess.run([self.bin("pip"), "install", "--quiet", ROOT, tutorial, example],
                                 capture_output=True, text=True, timeout=600)
         self.assertEqual(result.returncode, 0, result.stderr[-3000:])
         shutil.copytree(os.path.join(ROOT, "workers"), os.path.join(self.dir, "workers"))
         self.overlays = ["--config", os.path.join(tutorial, "workers"),
-                         "--config", os.path.join(ROOT, "examples", "receipts", "workers")]
+                         "--config", os.path.join(example, "workers")]
 
     def bin(self, name: str) -> str:
         return os.path.join(self.venv, "bin", name)
