@@ -29,6 +29,8 @@ retried with the next records and every :data:`RETRY_INTERVAL_S`; the first
 write that works puts a gap record (:mod:`synflow.audit_gaps`) before them.
 Old rotated files are deleted by ``audit.retain_bytes`` / ``audit.retain_days``
 (:mod:`synflow.audit_files`).
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

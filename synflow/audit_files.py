@@ -10,6 +10,8 @@ Retention runs when a file is rotated and when the series is opened: the
 oldest *rotated* files go (never the active one) while the series holds more
 than ``retain_bytes``, or while they were last written more than
 ``retain_days`` ago. Files a previous run of the process wrote count too.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

@@ -26,6 +26,8 @@ tokens: then the gap concerns every reader). ``lost_from`` is the earliest
 time any lost record mentions (a fact's reservation, an announcement, a
 token's issue) and ``lost_until`` the latest, or the last failed attempt if
 that is later: every lost record lies wholly inside the window.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 Used for replication reconnects, internal RPC retries and federation
 destinations. Randomness is injected (a :class:`random.Random`), so tests
 fix the seed and assert exact delays.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ below: unknown keys, wrong types, bad values and cross-field mistakes raise
 came from, the dotted key path and what is wrong. Nothing else reads YAML.
 
 docs/configuration.md documents every key; keep the two in step.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

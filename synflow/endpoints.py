@@ -9,6 +9,8 @@ will parse it, without listening; :func:`tcp_address` gives the interface
 and port of the ones that have a port (tcp, tcp6, ssl), which is all that
 port-clash checks and URLs need. Internal: used by config validation and
 ``synflowctl``.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ Every error synflow raises on purpose derives from :class:`SynflowError`, so
 callers can tell "synflow refused this, with a reason" apart from a bug. The
 message of each error says what was wrong, with the offending value, and
 where it helps, what to do about it.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 The replication line limit bounds what a stream row may be: a writer that
 records a row checks it against the limit here, so no layer above the wire
 needs to import the replication package to know it.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

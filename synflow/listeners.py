@@ -26,6 +26,8 @@ each replaced by a configured listener naming its resource:
 
 :func:`effective_listeners` lists them all; :func:`check_listeners` is the
 config validation of these rules (called by :func:`synflow.config.validate`).
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ Modules get their metrics through :func:`counter`, :func:`gauge` and
 already registered (so a module imported twice, or several test instances in
 one process, do not clash). Every process serves ``/metrics`` from
 :data:`REGISTRY` (see ``synflow/http/``).
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 Shared by the Redis replication transport (``synflow.replication.redis``)
 and the shared cache tier (``synflow.caching.tier``), which both take a
 :class:`~synflow.config.RedisConfig`.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ stop start-up.
 
 This is the only module that reads a config's ``app`` key: everything else
 asks it for the :class:`WorkerType` and looks at what the type declares.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ on the key and the list, so every process (and every restart) agrees on it:
 events shard by ``room_id`` over ``stream_writers.events``, federation by
 destination over ``federation_sender_instances``, shared-cache keys over
 ``caches.cache_invalidator_instances``. Reordering the list moves keys.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

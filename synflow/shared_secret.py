@@ -17,6 +17,8 @@ bit) is refused: the secret would no longer be secret.
 
 This module also says which addresses count as loopback, for the rule that
 a process without a secret may only expose its internal channels there.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ maximum (:meth:`StreamToken.merge`, the least upper bound).
 
 Parsing refuses anything malformed with a :class:`~synflow.errors.TokenError`
 whose message says what is wrong; the client API turns it into HTTP 400.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

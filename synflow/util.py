@@ -1,4 +1,7 @@
-"""Small Deferred helpers shared across synflow."""
+"""Small Deferred helpers shared across synflow.
+
+Internal to synflow: not part of the public API (``synflow.api``).
+"""
 
 from __future__ import annotations
 

@@ -282,3 +282,33 @@ class OverlayDeploymentTest(SynchronousTestCase):
         with self.assertRaises(ConfigError) as cm:
             ctl.discover(os.path.join(ROOT, "workers"), [overlay])
         self.assertIn("instance_name 'persister1' is used by two process files", str(cm.exception))
+
+
+class SurfaceTest(SynchronousTestCase):
+    def test_every_other_module_says_it_is_internal(self):
+        """Every synflow module but the public ones (synflow.api, its definitions, the test kit) says it is internal."""
+        import ast
+
+        public = {"synflow/__init__.py", "synflow/api.py", "synflow/framework.py", "synflow/testing/__init__.py",
+                  "synflow/testing/conformance.py"}
+        unmarked = []
+        for directory, _, files in os.walk(os.path.join(ROOT, "synflow")):
+            for name in files:
+                path = os.path.relpath(os.path.join(directory, name), ROOT)
+                if not name.endswith(".py") or path in public or name.startswith("_") and name != "__init__.py":
+                    continue
+                with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+                    doc = ast.get_docstring(ast.parse(f.read())) or ""
+                if "Internal to synflow" not in doc:
+                    unmarked.append(path)
+        self.assertEqual(unmarked, [])
+
+    def test_api_exports_what_it_declares(self):
+        """synflow.api's ``__all__`` names exist, and the tutorial's reference documents each of them."""
+        from synflow import api
+
+        with open(os.path.join(ROOT, "docs", "framework.md"), encoding="utf-8") as f:
+            doc = f.read()
+        for name in api.__all__:
+            self.assertTrue(hasattr(api, name), name)
+            self.assertIn(f"**`{name}", doc, f"docs/framework.md does not document api.{name}")

@@ -2,4 +2,6 @@
 
 Only this package touches the global reactor; everything it builds takes the
 reactor (and its clock) as a parameter.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """

@@ -13,6 +13,8 @@ process's worker type (:func:`synflow.registry.worker_type_for`):
   ``ctx.listen`` for that resource name, internal RPC on ``rpc``, ``/health``
   and ``/metrics`` where named;
 * ``sd_notify`` READY once ``/health`` would answer 200 (under systemd).
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ beside a :class:`~synflow.app.services.DatabaseProbe` that ``/health`` reads.
 If start-up fails, the reason is logged in one line and the process exits
 non-zero. ``stopService`` stops the app's services, then replication (which
 persists positions), then closes the database and the audit log.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

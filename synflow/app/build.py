@@ -1,4 +1,7 @@
-"""Builds the service tree of one process from its validated config."""
+"""Builds the service tree of one process from its validated config.
+
+Internal to synflow: not part of the public API (``synflow.api``).
+"""
 
 from __future__ import annotations
 

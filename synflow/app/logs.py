@@ -17,6 +17,8 @@ the rest from the ``logging:`` config section:
 The observer reaches twistd as the application's ``ILogObserver`` component,
 which twistd prefers over the one it would build. Internal: the twistd
 plugin calls :func:`with_log_observer`.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ loads the config files (later ones override earlier ones), validates them,
 and builds the process's service tree for its ``app``. A config error stops
 start-up with one line naming the file, the key and the problem -- never a
 traceback.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

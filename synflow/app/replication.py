@@ -6,6 +6,8 @@ streams this instance writes, the handler with a database catch-up source
 per stream, and the transport the config chooses: the TCP hub on the master
 (every worker connects to it) or a reconnecting client on a worker, or Redis
 pub/sub on every process.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 * :class:`ListeningService` -- an HTTP or hub listener that exposes its port;
 * :class:`DatabaseProbe` -- a periodic ``SELECT 1`` whose last outcome
   ``/health`` reports.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

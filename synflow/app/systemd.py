@@ -7,6 +7,8 @@ units ordered after it. :class:`SystemdNotifier` sends ``READY=1`` once the
 process's health check has no problem left -- the moment ``/health`` would
 answer 200 -- and ``STOPPING=1`` when the process begins to stop. Without
 ``NOTIFY_SOCKET`` it does nothing. Internal: the process bootstrap adds it.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

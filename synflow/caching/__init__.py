@@ -12,6 +12,8 @@
 
 ``docs/caching.md`` explains how they fit together and why the tier's fill
 rule keeps stale values out.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from synflow.caching.descriptors import CachedDescriptor, CachedMethod, KeyedBy, cached

@@ -20,6 +20,8 @@ a store and applies caches-stream invalidations to them; registering also
 sets each cache's size from the config and connects it to the shared tier.
 
 Cached values are shared between callers: treat them as immutable.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

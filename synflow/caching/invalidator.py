@@ -22,6 +22,8 @@ its floor to ``start_position()`` -- an ID at or above every invalidation it
 may have missed while down, e.g. the highest caches-stream ID allocated so
 far -- and every ``floor_interval_s`` it rewrites its floor, at the highest
 ID it has seen, if Redis lost it.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

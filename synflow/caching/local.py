@@ -7,6 +7,8 @@ to each recently invalidated key, so that a value coming back from the tier
 that predates one of those invalidations is not trusted (see
 ``docs/caching.md``, "Reading through the tier"). Both are plain data
 structures: no reactor, no metrics.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

@@ -23,6 +23,8 @@ interleaving of several writers' rows leaves the same caches.
 Writers build the rows a write must record with :func:`invalidation_rows`
 and, after commit, apply them to their own process with
 :meth:`CacheRegistry.apply_local` (or :meth:`~CacheRegistry.invalidate_local`).
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ Every per-cache series carries the label ``cache`` (the cache name). Counters
 are exposed with Prometheus' ``_total`` suffix, e.g.
 ``synflow_cache_hits_total{cache="get_user"}``. See ``docs/caching.md`` for
 what each one counts.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

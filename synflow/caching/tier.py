@@ -34,6 +34,8 @@ The rules (each one Lua script, so atomic):
 :class:`CacheTier` is the txredisapi client; :class:`FakeCacheTier` keeps the
 same state in memory with the same semantics for in-process tests. See
 ``docs/caching.md`` for why the minimum position is the right fill position.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,4 @@
+"""Events: persisting, routing, room rules and sync.
+
+Internal to synflow: not part of the public API (``synflow.api``).
+"""

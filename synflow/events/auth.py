@@ -44,6 +44,8 @@ Power levels are the minimal part of ``m.room.power_levels``: ``users``,
 ``users_default``, ``kick``, ``ban``, ``invite`` and ``state_default``. A room
 without that event gives its creator 100 and everyone else 0, with the
 spec's defaults for the actions.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

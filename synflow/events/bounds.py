@@ -17,6 +17,8 @@ a replication line too long to encode:
 
 The checks are pure and raise :class:`FieldError` naming the field and the
 value's problem.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

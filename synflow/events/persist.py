@@ -20,6 +20,8 @@ Every event's fields are checked against :mod:`synflow.events.bounds` before
 it is queued, so a malformed event is refused alone; and should a batch's
 transaction still fail, each of its events is retried in a transaction of its
 own, so one bad event never takes the others of its batch down with it.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ owner (``shard_for(room_id, stream_writers.events)``): directly when this
 process is that persister, over internal RPC (``persist_events``) otherwise.
 The RPC layer carries stream positions both ways, so when ``persist``
 returns, this process has seen the events it persisted.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

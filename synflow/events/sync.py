@@ -18,6 +18,8 @@ user) arrives.
 
 Every response is recorded in the audit log: reader, since, next_batch,
 delivered event IDs and the rooms the response covered.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

@@ -20,4 +20,6 @@
 * :mod:`~synflow.federation.metrics` -- the Prometheus metrics.
 
 See ``docs/federation.md``.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """

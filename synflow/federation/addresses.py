@@ -16,6 +16,8 @@ Destinations listed in ``federation.destinations`` are the operator's own
 choice and use an unfiltered client (the demo and the tests list peers on
 127.0.0.1 there); :class:`~synflow.federation.transport.TreqFederationTransport`
 picks the client per destination.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

@@ -25,6 +25,8 @@ Nothing behind the gate runs for a refused request, so a refused request
 changes nothing. :class:`ServerKeyResource` serves this server's own
 ``GET /_matrix/key/v2/server`` (unauthenticated, as the specification
 requires).
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

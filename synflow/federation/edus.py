@@ -8,6 +8,8 @@ it owns to its queues and then acknowledges the stream position with
 ``FEDERATION_ACK <instance> <token>``. The master keeps each sender's last
 acknowledgement and deletes outbox rows at or below the lowest one -- once
 every configured sender has handled them.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

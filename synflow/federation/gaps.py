@@ -17,6 +17,8 @@ than the bound, is logged and counted; the PDU is persisted anyway, since
 refusing it would not bring the older events back. A pulled event this
 server cannot persist *now* (a persister unreachable) fails the whole
 transaction instead, so the sender retries it.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

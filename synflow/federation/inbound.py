@@ -19,6 +19,8 @@ Three layers, each usable alone:
   ``max_body_bytes``, which :func:`synflow.http.site.build_site` applies to
   requests reaching it, and answers a body the site stopped buffering with
   400 ``M_TOO_LARGE`` like any other oversized body.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

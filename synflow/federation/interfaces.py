@@ -7,6 +7,8 @@ the SQL stores and the HTTP transport implement them. The values passed
 across (:class:`Pdu`, :class:`Edu`, :class:`DestinationRecord`) are frozen
 attrs classes. The exact semantics each store method must have are in its
 docstring and in ``docs/federation.md``.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ failed, or whose fresh keys lack the asked-for key ID, is not fetched again
 for :data:`REFETCH_INTERVAL_MS`: a stream of forged requests cannot make
 this server hammer the claimed origin. At most :data:`MAX_CACHED_SERVERS`
 servers are cached (the entry expiring first is dropped to make room).
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

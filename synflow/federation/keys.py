@@ -12,6 +12,8 @@ body (every field bounded, the self-signature verified) and returns the keys
 it vouches for and until when. Both are pure: the caller reads the clock.
 The cache that fetches and remembers remote keys is
 :mod:`synflow.federation.keyring`.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

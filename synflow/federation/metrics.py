@@ -36,6 +36,8 @@ Totals (counters, no destination label, so cardinality stays bounded):
 EDU counters label the EDU type only from :data:`KNOWN_EDU_TYPES`; any other
 type (a remote server chooses it) is counted as ``other`` (:func:`edu_type_label`),
 so no input can grow the number of series.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

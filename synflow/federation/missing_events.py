@@ -25,6 +25,8 @@ Three layers, each usable alone:
   layer's verified ``X-Matrix`` origin), else from the ``X-Matrix`` header's
   ``origin`` as sent; it must be an allowed origin with a joined member in
   the room, else 403 ``M_FORBIDDEN``.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

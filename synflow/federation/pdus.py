@@ -9,6 +9,8 @@ answered in the transaction's ``pdus`` map with its own error; the others of
 the transaction are persisted as usual. :func:`pdu_to_spec` then makes the
 :class:`~synflow.events.persist.EventSpec` the persister judges with the room
 rules (:mod:`synflow.events.auth`), acting as the authenticated origin.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

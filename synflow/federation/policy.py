@@ -20,6 +20,8 @@ hypothesis on their own (``tests/federation/test_policy.py``):
   :class:`~synflow.tokens.StreamToken`; :func:`advance_for_sent` and
   :func:`catch_up_position` compute its next value without ever covering a
   PDU that was not handled (see ``docs/federation.md``).
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

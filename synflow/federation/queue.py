@@ -33,6 +33,8 @@ How far the destination got is a vector clock
 (:class:`~synflow.tokens.StreamToken`), so PDUs completed out of order by
 sharded event persisters are never skipped; the rules are the pure
 functions of :mod:`synflow.federation.policy`.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

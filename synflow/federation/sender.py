@@ -13,6 +13,8 @@ At :meth:`FederationSender.start` it wakes every owned destination the store
 says is behind, and from then on, every ``wakeup_interval_s``, it wakes them
 again along with every queue, so due retries and unfinished catch-ups go out
 without waiting for new traffic.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ specification's "Request Authentication":
 * :func:`verify_request` checks a parsed header against the request and the
   origin's verify key. The destination in the signed object is always this
   server's name, so a request signed for another server never verifies here.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

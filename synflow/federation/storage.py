@@ -10,6 +10,8 @@
 
 "Covered by a token" is evaluated in SQL with a ``CASE`` over the token's
 listed instance IDs, falling back to its minimum for the others.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

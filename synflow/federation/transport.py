@@ -34,6 +34,8 @@ The client is anything treq-like with a ``request`` method (``treq`` itself, a
 :func:`build_treq_client` makes one on a reactor: TLS is verified by
 default (treq's default browser-like policy); ``verify_tls=False`` is for
 test deployments with self-signed certificates only.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

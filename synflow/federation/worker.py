@@ -13,6 +13,8 @@ stopped; anything older is covered by each destination's catch-up.
 each PDU is persisted through its room's persister, the transaction is
 deduplicated on (origin, txn_id), and the origin's backoff is cleared and
 announced with ``REMOTE_SERVER_UP`` so its sender wakes at once.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

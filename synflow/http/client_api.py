@@ -32,6 +32,8 @@ per user (``limits.rate_limit_per_s``) and syncs per access token
 for ``preset: private_chat`` (the default), ``public`` for ``preset:
 public_chat`` (the default when ``visibility`` is ``public``). Every event
 then passes :mod:`synflow.events.auth`; ``send`` never makes ``m.room.create``.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ bucket, so idle buckets are dropped (every :data:`PRUNE_INTERVAL_S` at most,
 during an ``allow``); and at most :data:`MAX_BUCKETS` keys are kept: past
 that, the buckets idle longest go first (a dropped bucket only forgets a
 key's recent use, it never refuses anything).
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

@@ -23,6 +23,8 @@ the call wrote is visible to the caller afterwards -- on any process.
   ``txn_id``; an error the receiver answers (``{errcode, error}`` with a
   status) is raised to the caller as the same :class:`HttpApiError`, so a
   client sees the persister's 403 as a 403.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ return ``(status, json_body)``. Everything untrusted is checked here once:
   (:class:`~synflow.errors.PersistRefused`), through the one table from
   refusal to status here (:func:`http_error`); anything else is logged and
   answered with 500 ``M_UNKNOWN`` (the process keeps serving).
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

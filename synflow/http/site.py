@@ -12,6 +12,8 @@ A mounted resource may declare its own body limit as ``max_body_bytes``
 (inbound federation ``/send`` does): the site then buffers bodies up to the
 largest limit and applies, to each request, the limit of the resource its
 path reaches -- the listener's limit for everything else.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ POSITION/catch-up path again. It retries until the service is stopped.
 (Twisted's ``ClientService`` is not used: it does not survive a connection
 lost while its ``prepareConnection`` Deferred is pending, which is exactly a
 handshake failing.)
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ Two functions form the public contract other code and outside checks rely on:
   nothing else on any malformed input;
 * :func:`encode_line` -- a command to its full line, without the newline,
   raising :class:`~synflow.errors.LocalProtocolError` if it cannot be sent.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ placeholder, ``POSITION s w t t`` for the highest token ``t`` dropped, which
 a reader's gap check turns into a catch-up from the database. The queue thus
 stays bounded by the other commands; if those pass the hard limit, the core
 sends ``ERROR Failed to keep up`` and closes.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

@@ -26,6 +26,8 @@ or below it are accepted without a query; only a claim above it reads the
 sequence once more. The handler processes one stream's commands in order,
 so at most one such read per stream is in flight, and every claim queued
 behind it is settled by its answer.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

@@ -32,6 +32,8 @@ but the last row of an ID with the token ``batch``) and a ``POSITION`` for
 any tail without rows; it answers ``REPLICATE`` and every new connection with
 its positions, and a periodic tick lets idle writers leap forward and
 persists positions.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ hub only after its ``AUTH``: before that nothing is relayed to it, and the
 only line it may send is ``AUTH`` (see ``core.py``). What an authenticated
 peer claims about stream positions is still checked, by every process's
 handler, against the database (``guard.py``).
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

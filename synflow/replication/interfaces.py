@@ -13,6 +13,8 @@ a worker), which pass everything on. It is generic in the connection it
 receives: the hub needs a :class:`ReplicationProtocol` (it closes them), the
 handler takes any :class:`Connection`, so the handler can stand wherever a
 receiver of TCP connections or of Redis subscriptions is expected.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ leak). It exports:
 * ``synflow_replication_dropped_commands_total{command}`` -- commands a
   transport could not send because it was disconnected (counted as they are
   dropped, which only happens while a transport is down).
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

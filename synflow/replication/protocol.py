@@ -12,6 +12,8 @@ connections and the commands they deliver: the TCP hub (``hub.py``) on the
 master, the client service (``client.py``) on a worker. On a hub with a secret it hears of a connection
 only once the peer has authenticated, so an unauthenticated peer is never
 among those the streams are relayed to.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

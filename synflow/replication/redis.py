@@ -23,6 +23,8 @@ disconnected, RDATA and POSITION are dropped quietly (catch-up covers them)
 and other commands are dropped with a warning; both are counted in
 ``synflow_replication_dropped_commands_total{command}``. That includes the
 lines still waiting to be published when a connection goes down.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

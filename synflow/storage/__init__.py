@@ -11,4 +11,6 @@
 
 Stores (events, rooms, destinations, caches, audit) and stream ID generators
 are built on :class:`~synflow.storage.engines.Database`. See ``docs/storage.md``.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """

@@ -6,6 +6,8 @@ database through the ``postgres`` maintenance database and, when it is
 missing, creates it if its role has ``CREATEDB`` (or is a superuser);
 otherwise start-up stops with one line giving the exact ``createdb`` command
 an administrator runs. Internal: the master's bootstrap calls it.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

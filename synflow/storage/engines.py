@@ -12,6 +12,8 @@ counts and timings.
 
 The configuration (:class:`DatabaseConfig`) is validated here too, so the
 config loader only has to call :meth:`DatabaseConfig.from_dict`.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

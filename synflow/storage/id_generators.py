@@ -26,6 +26,8 @@ runs on its tick and at shutdown. At start-up :func:`load_stream_state_txn` read
 checks them against the sequence and the table, repairs what is safe
 (bumping a sequence that is behind rows or positions) and otherwise refuses to
 start with an explanation.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

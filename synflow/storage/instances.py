@@ -4,6 +4,8 @@
 ID never changes, so tokens stay valid across restarts and config changes.
 :class:`InstanceMap` caches the mapping and creates missing IDs with a
 select-then-insert that never burns IDs on the common path.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

@@ -31,6 +31,8 @@ they never collide with synflow's or another plugin's. Every process applies
 the namespaces of the plugins it knows once synflow's own schema is there
 (:func:`prepare_plugin_schemas`), under the same lock: whichever process gets
 there first applies a file, the others find it applied.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ every source reads the shared database.
 
 The storage layer reads the stream definitions (:mod:`synflow.streams`);
 the streams package imports nothing of storage.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ Users and access tokens are plain rows any process may write (registration
 is not a stream). Access tokens are stored as SHA-256 hashes and compared in
 constant time. Sync reads events by vector-clock window: for each writer the
 rows with a stream ordering in ``(since, upto]``.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

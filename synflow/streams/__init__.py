@@ -18,6 +18,8 @@ Each is declared like a plugin's stream (:class:`StreamDef`, exported as
 ``synflow.api.Stream``) and registered through the ``synflow.streams`` entry
 point group (``setup.cfg``); :func:`synflow.registry.streams` lists every
 stream found, built-in or not.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

@@ -18,6 +18,8 @@ position to the highest ID it knows has been allocated by anyone (learned
 from other writers' positions), so it never holds the minimum position of
 the stream back: every ID it reserves later comes from the shared sequence
 and is larger.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""A small asynchronous client for synflow's client API (treq, real HTTP), for tools and tests."""
+"""A small asynchronous client for synflow's client API (treq, real HTTP), for tools and tests.
+
+Internal to synflow: not part of the public API (``synflow.api``).
+"""
 
 from __future__ import annotations
 

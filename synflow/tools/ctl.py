@@ -33,6 +33,8 @@ carries ``SYNFLOW_PIDFILE=<its pidfile>`` (set by ``start``) or its command
 line runs ``twistd ... --pidfile <its pidfile> ... synflow``. A live PID that
 is neither -- reused after a crash -- is reported as a stale pidfile, never
 signalled, and the pidfile removed.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

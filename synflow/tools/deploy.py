@@ -4,6 +4,8 @@
 directory with its ports remapped (to run beside the original, or on free
 ports in tests), optionally federating with a peer server and keeping only
 some of the processes.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

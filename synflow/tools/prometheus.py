@@ -6,6 +6,8 @@ internal listener), labelled with ``process`` (the instance name), ``app``
 and ``server_name``. ``honor_labels`` keeps synflow's own ``instance`` label
 (the writer a replication metric is about) instead of Prometheus's target
 address. ``contrib/grafana/synflow.json`` queries these labels.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

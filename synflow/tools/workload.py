@@ -10,6 +10,8 @@ order. It measures send latency and send -> visible-in-sync latency.
 
 Used by the main job (``scripts/demo``), the integration tests and the
 benchmarks.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

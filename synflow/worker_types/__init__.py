@@ -10,4 +10,6 @@ group of ``setup.cfg``, and built on :class:`~synflow.framework.WorkerType`:
 
 What they share (rooms, caches, the client API, inbound federation) is in
 the internal module ``_homeserver``.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """

@@ -13,6 +13,8 @@ default deployment gets:
   signature check) on a ``federation`` listener, where the config names them.
 
 Each built-in worker type adds its own role in :meth:`Homeserver.build_role`.
+
+Internal to synflow: not part of the public API (``synflow.api``).
 """
 
 from __future__ import annotations

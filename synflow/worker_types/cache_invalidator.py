@@ -1,4 +1,7 @@
-"""The ``cache_invalidator`` worker type: keeps the shared cache tier consistent with the ``caches`` stream."""
+"""The ``cache_invalidator`` worker type: keeps the shared cache tier consistent with the ``caches`` stream.
+
+Internal to synflow: not part of the public API (``synflow.api``).
+"""
 
 from __future__ import annotations
 

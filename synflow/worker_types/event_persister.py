@@ -1,4 +1,7 @@
-"""The ``event_persister`` worker type: persists the events of the rooms that shard to it."""
+"""The ``event_persister`` worker type: persists the events of the rooms that shard to it.
+
+Internal to synflow: not part of the public API (``synflow.api``).
+"""
 
 from __future__ import annotations
 

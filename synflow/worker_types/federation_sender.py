@@ -1,4 +1,7 @@
-"""The ``federation_sender`` worker type: sends local events and EDUs to the destinations it owns."""
+"""The ``federation_sender`` worker type: sends local events and EDUs to the destinations it owns.
+
+Internal to synflow: not part of the public API (``synflow.api``).
+"""
 
 from __future__ import annotations
 

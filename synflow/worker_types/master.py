@@ -1,4 +1,7 @@
-"""The ``master`` worker type: migrations, the TCP replication hub, the client API and the EDU queue."""
+"""The ``master`` worker type: migrations, the TCP replication hub, the client API and the EDU queue.
+
+Internal to synflow: not part of the public API (``synflow.api``).
+"""
 
 from __future__ import annotations
 
