@@ -33,13 +33,15 @@ from typing import IO, Any, cast
 
 from twisted.application.service import IService, MultiService
 from twisted.logger import (
+    FileLogObserver,
     FilteringLogObserver,
     ILogObserver,
     LogEvent,
     LogLevel,
     LogLevelFilterPredicate,
     formatEvent,
-    textFileLogObserver,
+    formatEventAsClassicLogText,
+    formatTime,
 )
 from twisted.python.logfile import LogFile
 from zope.interface import implementer
@@ -76,6 +78,29 @@ class JsonLogObserver:
             record["failure"] = failure.getTraceback()
         self._out.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
         self._out.flush()
+
+
+class _SecondCache:
+    """``formatTime`` of an event, computed once per second of ``log_time`` (the classic text format has no
+    finer field, and formatting a time zone-aware timestamp is a large part of writing a log line)."""
+
+    def __init__(self) -> None:
+        self._second: int | None = None
+        self._text = ""
+
+    def __call__(self, when: float | None) -> str:
+        if when is None:
+            return formatTime(when)
+        second = int(when)
+        if second != self._second:
+            self._second, self._text = second, formatTime(second)
+        return self._text
+
+
+def text_observer(out: IO[str] | LogFile) -> ILogObserver:
+    """twistd's classic text lines (``TIME [namespace#level] message``), as ``textFileLogObserver`` writes them."""
+    cached = _SecondCache()
+    return FileLogObserver(cast(IO[str], out), lambda event: formatEventAsClassicLogText(event, formatTime=cached))
 
 
 def _logger_name(event: LogEvent) -> str:
@@ -116,7 +141,7 @@ def make_observer(config: SynflowConfig, logfile: str | None, nodaemon: bool) ->
     if config.logging.format == "json":
         base = JsonLogObserver(out, config.instance_name)
     else:
-        base = textFileLogObserver(cast(IO[str], out))
+        base = text_observer(out)
     predicate = LogLevelFilterPredicate(defaultLogLevel=_TWISTED_LEVELS[config.log_level.upper()])
     for name, level in config.logging.levels.items():
         predicate.setLogLevelForNamespace(name, _TWISTED_LEVELS[level.upper()])

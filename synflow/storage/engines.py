@@ -21,6 +21,7 @@ from __future__ import annotations
 import abc
 import functools
 import os
+import random
 import re
 import sqlite3
 import time
@@ -40,6 +41,13 @@ log = Logger()
 
 #: How long a SQLite connection waits for another process's write lock.
 SQLITE_BUSY_TIMEOUT_S = 30.0
+#: Waiting for the write lock at ``BEGIN IMMEDIATE``: the first poll after
+#: this long, doubling up to :data:`SQLITE_LOCK_POLL_MAX_S` (each with
+#: jitter). SQLite's own busy handler sleeps 1, 2, 5, 10 ... up to 100 ms
+#: between polls, so a writer that misses a lock held for 2 ms can sleep
+#: 100 ms: under several processes' writes, most of the tail latency.
+SQLITE_LOCK_POLL_S = 0.0002
+SQLITE_LOCK_POLL_MAX_S = 0.002
 #: How many times an ``idempotent=True`` interaction is retried after a transient error.
 MAX_RETRIES = 5
 #: Delay before the first retry; each further retry doubles it (0.05, 0.1, 0.2, ...).
@@ -383,7 +391,27 @@ class SqliteEngine(Engine):
     def begin_txn(self, cursor: Any, read_only: bool = False) -> None:
         # A read-only interaction takes no write lock: concurrent readers in
         # other processes never wait for each other (WAL gives a snapshot).
-        cursor.execute("BEGIN" if read_only else "BEGIN IMMEDIATE")
+        if read_only:
+            cursor.execute("BEGIN")
+            return
+        # The write lock is polled here, at short intervals, instead of by
+        # SQLite's busy handler (see SQLITE_LOCK_POLL_S); every other
+        # statement keeps the connection's busy timeout.
+        cursor.execute("PRAGMA busy_timeout = 0")
+        try:
+            delay = SQLITE_LOCK_POLL_S
+            deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_S
+            while True:
+                try:
+                    cursor.execute("BEGIN IMMEDIATE")
+                    return
+                except sqlite3.OperationalError as e:
+                    if not self.is_transient(e) or time.monotonic() > deadline:
+                        raise
+                time.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, SQLITE_LOCK_POLL_MAX_S)
+        finally:
+            cursor.execute(f"PRAGMA busy_timeout = {int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
 
     def insert_many_txn(
         self, cursor: Any, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], suffix: str = ""

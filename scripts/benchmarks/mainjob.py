@@ -1,0 +1,118 @@
+"""``mainjob``: the main job's traffic, measured.
+
+The two deployments of ``scripts/demo`` (the default deployment as
+``localhost`` and its federation peer, SQLite and the TCP hub, every process
+under twistd through ``synflowctl``), on free ports, driven with the demo's
+traffic shape (24 concurrent senders, every user syncing, messages in rooms
+shared with the peer): send latency, send -> visible in sync latency,
+events/s, and the CPU each process of both deployments spent per message
+(``/proc/<pid>/stat`` before and after the traffic). The validator is not
+run (the demo does). The targets are absolute (issue "fast by default"); the
+CPU row's ceiling is the persist benchmark's shape: the CPU per event of the
+processes that persist.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from scripts.benchmarks.common import Progress, cpu_seconds
+
+TARGETS = [
+    {"row": "mainjob.send_p50", "field": "value", "op": "<=", "threshold": 25, "label": "send p50 ≤ 25 ms"},
+    {"row": "mainjob.send_p99", "field": "value", "op": "<=", "threshold": 100, "label": "send p99 ≤ 100 ms"},
+    {"row": "mainjob.visible_p99", "field": "value", "op": "<=", "threshold": 150,
+     "label": "send → visible p99 ≤ 150 ms"},
+    {"row": "mainjob.events", "field": "value", "op": ">=", "threshold": 300, "label": "≥ 300 events/s"},
+    {"row": "mainjob.cpu", "field": "value", "op": "<=", "threshold": 4,
+     "label": "≤ 4 ms CPU per message over both deployments"},
+]
+
+
+def _pids(directory: str) -> dict[str, int]:
+    run = os.path.join(directory, "var", "run")
+    pids = {}
+    for name in sorted(os.listdir(run)) if os.path.isdir(run) else []:
+        if name.endswith(".pid"):
+            with open(os.path.join(run, name), encoding="ascii") as f:
+                pids[name[:-4]] = int(f.read().strip())
+    return pids
+
+
+def _ctl(directory: str, command: str) -> int:
+    return subprocess.run([sys.executable, "-m", "synflow.tools.ctl", command, "."], cwd=directory,
+                          stdout=subprocess.DEVNULL).returncode
+
+
+def run(quick: bool, progress: Progress) -> dict[str, Any]:
+    from twisted.internet import reactor
+    from twisted.internet.defer import ensureDeferred
+
+    from scripts import demo
+    from synflow.tools.deploy import DEFAULT_PORTS, free_port
+
+    args = argparse.Namespace(messages=600 if quick else 3000, users=40, rooms=60, members=3, concurrency=24,
+                              seed=1, drain_timeout=180.0)
+    with tempfile.TemporaryDirectory(prefix="bench-mainjob-") as out:
+        home_ports = {p: free_port() for p in DEFAULT_PORTS}
+        peer_ports = {p: free_port() for p in DEFAULT_PORTS}
+        home, peer = os.path.join(out, "localhost"), os.path.join(out, demo.PEER)
+        servers = demo.make_deployments(home, peer, home_ports, peer_ports)
+        started = []
+        try:
+            for directory in (home, peer):
+                if _ctl(directory, "start") != 0:
+                    raise RuntimeError(f"could not start the deployment in {directory}")
+                started.append(directory)
+            pids = {f"{server}/{name}": pid for server, directory in (("localhost", home), (demo.PEER, peer))
+                    for name, pid in _pids(directory).items()}
+            cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+            progress(f"sending {args.messages} messages with {args.concurrency} concurrent senders")
+            result: dict[str, Any] = {}
+            demo.progress_bar = lambda done, total: None  # quiet: the runner shows progress lines
+
+            def go() -> None:
+                d = ensureDeferred(demo.traffic(args, servers))
+                d.addCallbacks(lambda w: result.update(workload=w), lambda f: result.update(error=f))
+                d.addBoth(lambda _: reactor.stop())
+
+            t0 = time.monotonic()
+            reactor.callWhenRunning(go)
+            reactor.run(installSignalHandlers=False)
+            if "error" in result:
+                raise RuntimeError(result["error"].getTraceback())
+            report = result["workload"].verify()
+            cpu = {name: cpu_seconds(pid) - cpu_before[name] for name, pid in pids.items()}
+            traffic_s = time.monotonic() - t0
+        finally:
+            for directory in reversed(started):
+                _ctl(directory, "stop")
+    if not report.ok:
+        raise RuntimeError(f"the traffic lost or reordered messages: {report.as_dict()}")
+    send, visible = report.send_latency_ms, report.visible_latency_ms
+    per_message = {name: used * 1000 / report.sent for name, used in sorted(cpu.items())}
+    persisting = sum(v for k, v in per_message.items() if k.split("/")[1].startswith(("master", "persister")))
+    total_cpu = sum(per_message.values())
+    rows = [
+        {"key": "mainjob.send_p50", "label": "main job: send latency p50", "unit": "ms", "value": send["p50"]},
+        {"key": "mainjob.send_p99", "label": "main job: send latency p99", "unit": "ms", "value": send["p99"]},
+        {"key": "mainjob.visible_p50", "label": "main job: send → visible in sync p50", "unit": "ms",
+         "value": visible["p50"]},
+        {"key": "mainjob.visible_p99", "label": "main job: send → visible in sync p99", "unit": "ms",
+         "value": visible["p99"]},
+        {"key": "mainjob.events", "label": f"main job: events/s ({args.concurrency} concurrent senders)",
+         "unit": "events/s", "value": report.events_per_s},
+        {"key": "mainjob.cpu", "label": "main job: CPU per message, every process of both deployments",
+         "unit": "ms/event", "value": total_cpu, "ceiling": persisting,
+         "ceiling_label": "of which masters and persisters", "ratio": total_cpu / persisting if persisting else None},
+    ]
+    progress(f"send p50/p99 {send['p50']:.1f}/{send['p99']:.1f} ms, visible p50/p99 {visible['p50']:.1f}/"
+             f"{visible['p99']:.1f} ms, {report.events_per_s:,.0f} events/s, {total_cpu:.2f} ms CPU/message")
+    return {"rows": rows, "targets": TARGETS,
+            "extra": {"cpu_ms_per_message": per_message, "traffic_s": traffic_s, "sent": report.sent}}
