@@ -30,3 +30,34 @@ class TextObserverTest(SynchronousTestCase):
         cache = logs._SecondCache()
         self.assertEqual([cache(10.1), cache(10.7), cache(11.2)], ["10", "10", "11"])
         self.assertEqual(calls, [10, 11])
+
+
+class AccessLogTest(SynchronousTestCase):
+    def test_internal_rpc_at_debug_client_at_info(self):
+        """A client request is an INFO access line; an internal RPC call between processes is DEBUG."""
+        import logging
+
+        from synflow.http.server import JsonSite, access_logger
+
+        class Request:
+            method, code, arrived = b"PUT", 200, 0.0
+
+            def __init__(self, path: bytes) -> None:
+                self.path = self.uri = path
+
+        records: list[logging.LogRecord] = []
+        handler = logging.Handler()
+        handler.emit = records.append  # type: ignore[method-assign]
+        access_logger.addHandler(handler)
+        self.addCleanup(access_logger.removeHandler, handler)
+        self.addCleanup(access_logger.setLevel, access_logger.level)
+        access_logger.setLevel(logging.DEBUG)
+        site = JsonSite.__new__(JsonSite)
+        site.log(Request(b"/_synflow/client/v1/rooms/!r:hs/send/m.room.message/t1"))
+        site.log(Request(b"/_synflow/internal/persist_events/abc"))
+        self.assertEqual([(r.levelno, r.getMessage().split()[1]) for r in records],
+                         [(logging.INFO, "/_synflow/client/v1/rooms/!r:hs/send/m.room.message/t1"),
+                          (logging.DEBUG, "/_synflow/internal/persist_events/abc")])
+        access_logger.setLevel(logging.INFO)
+        site.log(Request(b"/_synflow/internal/persist_events/abc"))
+        self.assertEqual(len(records), 2)  # not even formatted below the logger's level

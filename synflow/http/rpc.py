@@ -53,13 +53,13 @@ from zope.interface import implementer
 from synflow.backoff import Backoff
 from synflow.config import HostPort
 from synflow.errors import HttpApiError, PersistRefused
-from synflow.http.server import JsonResource, bearer_token, http_error, no_delay
+from synflow.http.server import INTERNAL_PREFIX, JsonResource, bearer_token, http_error, no_delay
 from synflow.metrics import counter, histogram
 from synflow.util import observe, sleep
 
 logger = logging.getLogger(__name__)
 
-PREFIX = "/_synflow/internal"
+PREFIX = INTERNAL_PREFIX.decode()
 #: How long a response is kept for replays of the same txn_id (seconds).
 RESPONSE_CACHE_S = 30 * 60.0
 #: Attempts for connect errors / timeouts.

@@ -45,6 +45,8 @@ from synflow.metrics import histogram
 logger = logging.getLogger(__name__)
 #: One line per request (``logging.levels: {synflow.access: WARNING}`` silences it).
 access_logger = logging.getLogger("synflow.access")
+#: Where the internal RPC between a deployment's processes is served (its calls are logged at DEBUG).
+INTERNAL_PREFIX = b"/_synflow/internal"
 
 REQUEST_SECONDS = histogram(
     "synflow_http_request_seconds", "Time to answer an HTTP request, by route", ["route", "code"],
@@ -164,10 +166,19 @@ class JsonSite(Site):
         return protocol
 
     def log(self, request: Any) -> None:
-        """One access log line per request at INFO: method, path (query secrets redacted), status, duration, user."""
+        """One access log line per request: method, path (query secrets redacted), status, duration, user.
+
+        At INFO, except internal RPC between the processes of the deployment
+        (``/_synflow/internal``), at DEBUG: one line per call would double
+        the log of every client request the deployment serves.
+        """
+        level = logging.DEBUG if request.path.startswith(INTERNAL_PREFIX) else logging.INFO
+        if not access_logger.isEnabledFor(level):
+            return
         duration_ms = (time.monotonic() - getattr(request, "arrived", time.monotonic())) * 1000
-        access_logger.info("%s %s %s %.1fms %s", request.method.decode("ascii", "replace"), loggable_uri(request.uri),
-                           request.code, duration_ms, getattr(request, "synflow_user", None) or "-")
+        access_logger.log(level, "%s %s %s %.1fms %s", request.method.decode("ascii", "replace"),
+                          loggable_uri(request.uri), request.code, duration_ms,
+                          getattr(request, "synflow_user", None) or "-")
 
 
 def loggable_uri(uri: bytes) -> str:
