@@ -44,6 +44,12 @@ def setup_logging(config: SynflowConfig) -> None:
         handler.setFormatter(logging.Formatter("%(message)s"))
         root.addHandler(handler)
     root.setLevel(config.log_level.upper())
+    # The log lines carry no caller, thread or process fields: skip collecting
+    # them for every record (the logging HOWTO's "Optimization" settings).
+    logging._srcfile = None
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
 
 
 def build_service(config: SynflowConfig, reactor: Any, *, exit_on_failure: bool = True) -> MultiService:
