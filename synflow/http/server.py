@@ -26,6 +26,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final
+from urllib.parse import unquote
 
 from twisted.internet.defer import Deferred
 from twisted.web.resource import Resource
@@ -360,8 +361,8 @@ class JsonResource(Resource):
 
 
 def _unquote(value: str) -> str:
-    from urllib.parse import unquote
-
+    if "%" not in value:
+        return value  # nothing to decode (most segments): skip urllib's work
     try:
         return unquote(value, errors="strict")
     except UnicodeDecodeError:
