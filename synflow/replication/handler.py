@@ -41,7 +41,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from twisted.internet.defer import Deferred, DeferredLock, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
@@ -66,9 +66,11 @@ from synflow.replication.commands import (
 )
 from synflow.replication.guard import PositionGuard
 from synflow.replication.interfaces import Connection
-from synflow.storage.id_generators import FactPayload, MultiWriterIdGenerator
 from synflow.streams import StreamDef, Writers
 from synflow.streams.tracker import Completed
+
+if TYPE_CHECKING:  # types only: the transport layer does not import storage
+    from synflow.storage.id_generators import FactPayload, MultiWriterIdGenerator
 
 logger = logging.getLogger(__name__)
 
