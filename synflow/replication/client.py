@@ -162,6 +162,11 @@ class ReplicationClientService(Service):
 
     # -- sending ---------------------------------------------------------------------
 
+    @property
+    def peer_name(self) -> str | None:
+        """The hub's server name once connected, else None."""
+        return self.connection.peer_name if self.connection is not None else None
+
     def send_command(self, cmd: AnyCommand) -> None:
         """Send on the current connection; without one, drop it and count it.
 

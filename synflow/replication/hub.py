@@ -83,6 +83,11 @@ class ReplicationHub:
 
     # -- the master's own sends ------------------------------------------------------
 
+    @property
+    def peer_name(self) -> str | None:
+        """Every connected worker (the hub relays to all of them)."""
+        return "every worker"
+
     def send_command(self, cmd: AnyCommand) -> None:
         """Send a command of the master's to every connected worker."""
         for conn in list(self.connections):

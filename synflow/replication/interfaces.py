@@ -31,6 +31,10 @@ __all__ = ["CommandReceiver", "Connection"]
 class Connection(Protocol):
     """Where commands can be sent."""
 
+    @property
+    def peer_name(self) -> str | None:
+        """Who is at the other end (its NAME or SERVER, the bus, the hub), for logs; None before the handshake."""
+
     def send_command(self, cmd: AnyCommand) -> None:
         """Send ``cmd`` (or queue it, or drop it while disconnected: the implementer decides)."""
 
@@ -49,3 +53,15 @@ class CommandReceiver(Protocol[C_contra]):
 
     def on_command(self, conn: C_contra, cmd: AnyCommand) -> None:
         """``conn`` delivered ``cmd``."""
+
+
+def _check_implementers() -> None:
+    """Type checking only: each transport is a :class:`Connection`."""
+    from synflow.replication.client import ReplicationClientService
+    from synflow.replication.hub import ReplicationHub
+    from synflow.replication.protocol import ReplicationProtocol
+    from synflow.replication.redis import RedisConnection, RedisTransportService
+
+    connections: list[type[Connection]] = [ReplicationProtocol, ReplicationHub, ReplicationClientService,
+                                           RedisConnection, RedisTransportService]
+    del connections

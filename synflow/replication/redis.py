@@ -386,6 +386,11 @@ class RedisTransportService(Service):
 
     # -- sending -------------------------------------------------------------------------------
 
+    @property
+    def peer_name(self) -> str | None:
+        """The bus every process of the deployment publishes to."""
+        return "redis"
+
     def send_command(self, cmd: AnyCommand) -> None:
         """Publish a command (coalesced with others sent in the same reactor turn)."""
         if self.connection is None:

@@ -154,6 +154,7 @@ class _Link:
     def __init__(self, committed: _CommittedRows | None = None) -> None:
         self.committed = committed
         self.sent: list[tuple[AnyCommand, frozenset[int] | None]] = []
+        self.peer_name: str | None = "conformance link"
 
     def send_command(self, cmd: AnyCommand) -> None:
         _line(cmd)  # every command the writer sends must encode
