@@ -30,6 +30,7 @@ from twisted.web.resource import IResource
 
 from synflow.errors import HttpApiError, ShardingError
 from synflow.sharding import shard_for
+from synflow.storage.id_generators import insert_stream_rows_txn
 from synflow.streams import StreamDef, Writers
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
     from synflow.http.rpc import RpcClient, RpcServer
     from synflow.replication.handler import ReplicationHandler
     from synflow.storage.engines import Database
-    from synflow.storage.id_generators import StreamWriteContext, StreamWriters
+    from synflow.storage.id_generators import StreamWriters
     from synflow.storage.instances import InstanceMap
 
 __all__ = ["Capability", "ProcessContext", "Section", "StreamFollower", "WorkerType"]
@@ -373,19 +374,8 @@ class ProcessContext:
                 owner = self.writer_for(stream, stream.shard_key(row))
                 if owner != me:
                     raise ShardingError(f"{stream.name} row for {stream.shard_key(row)!r} belongs to {owner!r}, not {me!r}")
-        columns = (stream.id_column, stream.instance_column, *stream.select)
-        sql = (f"INSERT INTO {stream.table} ({', '.join(columns)}) "
-               f"VALUES ({', '.join('?' for _ in columns)})")
-
-        def write_txn(w: StreamWriteContext) -> list[int]:
-            ids = w.allocate(stream.name, len(rows))
-            for stream_id, row in zip(ids, rows, strict=True):
-                w.txn.execute(sql, (stream_id, me, *stream.row_to_db(row)))
-                w.add_rows(stream.name, stream_id, [row],
-                           room_id=stream.shard_key(row) if stream.shard_key is not None else None)
-            return ids
-
-        return await self.writers.run_write(f"write_{stream.name}", [stream.name], write_txn)
+        return await self.writers.run_write(f"write_{stream.name}", [stream.name], insert_stream_rows_txn,
+                                            stream, me, rows)
 
 
 def writer_kind(stream: StreamDef) -> str:

@@ -413,6 +413,23 @@ class StreamWriteContext:
         )
 
 
+def insert_stream_rows_txn(ctx: StreamWriteContext, stream: StreamDef, instance_name: str,
+                           rows: Sequence[Any]) -> list[int]:
+    """Take one ID per row and insert each as ``(id, instance, *row_to_db(row))`` into the stream's table.
+
+    The stream's ``id_column``, ``instance_column`` and ``select`` columns;
+    each row is registered for announcement with its shard key as the room.
+    Returns the IDs, in row order.
+    """
+    columns = (stream.id_column, stream.instance_column, *stream.select)
+    sql = f"INSERT INTO {stream.table} ({', '.join(columns)}) VALUES ({', '.join('?' for _ in columns)})"
+    ids = ctx.allocate(stream.name, len(rows))
+    for stream_id, row in zip(ids, rows, strict=True):
+        ctx.txn.execute(sql, (stream_id, instance_name, *stream.row_to_db(row)))
+        ctx.add_rows(stream.name, stream_id, [row], room_id=stream.shard_key(row) if stream.shard_key else None)
+    return ids
+
+
 @attrs.frozen
 class _RolledBack:
     error: BaseException

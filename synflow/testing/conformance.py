@@ -95,6 +95,7 @@ from synflow.storage.id_generators import (
     StreamWriteContext,
     StreamWriters,
     ensure_sequence_txn,
+    insert_stream_rows_txn,
     last_allocated_txn,
     load_stream_state_txn,
 )
@@ -278,16 +279,7 @@ class StreamConformance(_TestCaseBase):
         room). A stream written otherwise overrides this with its own
         writing function.
         """
-        stream = self.stream
-        columns = (stream.id_column, stream.instance_column, *stream.select)
-        sql = (f"INSERT INTO {stream.table} ({', '.join(columns)}) "
-               f"VALUES ({', '.join('?' for _ in columns)})")
-        ids = ctx.allocate(stream.name, len(rows))
-        for stream_id, row in zip(ids, rows, strict=True):
-            ctx.txn.execute(sql, (stream_id, instance_name, *stream.row_to_db(row)))
-            ctx.add_rows(stream.name, stream_id, [row],
-                         room_id=stream.shard_key(row) if stream.shard_key is not None else None)
-        return ids
+        return insert_stream_rows_txn(ctx, self.stream, instance_name, rows)
 
     # -- the tests -----------------------------------------------------------------------
 
