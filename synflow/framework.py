@@ -316,18 +316,27 @@ class ProcessContext:
             HttpApiError: 401 ``M_MISSING_TOKEN`` or ``M_UNKNOWN_TOKEN``.
         """
         from synflow.http.server import bearer_token
-        from synflow.storage.stores import DataStore
 
         token = bearer_token(request)
         if token is None:
             raise HttpApiError(401, "M_MISSING_TOKEN", "missing access token (Authorization: Bearer <token>)")
-        if self._store is None:
-            self._store = DataStore(self.db)
-        found = await self._store.get_user_by_access_token(token)
+        found = await self._data_store().get_user_by_access_token(token)
         if found is None:
             raise HttpApiError(401, "M_UNKNOWN_TOKEN", "unknown access token")
         request.synflow_user = found.user_id  # for the access log
         return str(found.user_id)
+
+    async def membership(self, room_id: str, user_id: str) -> str | None:
+        """``user_id``'s current membership of ``room_id`` (``join``, ``invite``, ``leave``, ``ban``), or None."""
+        membership = await self._data_store().get_membership(room_id, user_id)
+        return membership
+
+    def _data_store(self) -> Any:
+        from synflow.storage.stores import DataStore
+
+        if self._store is None:
+            self._store = DataStore(self.db)
+        return self._store
 
     def add_service(self, service: IService) -> None:
         """Start ``service`` with the process and stop it (before replication) at shutdown."""

@@ -120,6 +120,11 @@ class PluginPackagesTest(SynchronousTestCase):
         events = {room: [_ok("PUT", f"{CLIENT}/rooms/{room}/send/m.room.message/t{n}", {"body": "hi"}, token)["event_id"]
                          for n in range(3)] for room in rooms}
         _ok("GET", f"{CLIENT}/sync?timeout=0", None, token)  # a token chain for the validator
+        outsider = _ok("POST", f"{CLIENT}/register", {"username": "mallory"})["access_token"]
+        for url in (f"{RECEIPTS[0]}/rooms/{rooms[0]}/receipt/{events[rooms[0]][0]}",
+                    f"{RECEIPTS[1]}/rooms/{rooms[1]}/receipt/{events[rooms[1]][0]}"):
+            self.assertEqual(_request("PUT", url, {}, outsider)[0], 403)  # receipts only in one's own rooms
+        self.assertEqual(_request("GET", f"{RECEIPTS[0]}/rooms/{rooms[0]}/receipts", None, outsider)[0], 403)
 
         # The tutorial's worker type: its row replicates to the other processes.
         stream_id = _ok("POST", GREETINGS, {"text": "hello"}, token)["stream_id"]

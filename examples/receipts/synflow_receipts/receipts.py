@@ -8,11 +8,11 @@ written by one writer, chosen with ``api.shard_for``.
 HTTP, on a receipt writer's ``client`` listener:
 
 * ``PUT /_synflow/client/v1/rooms/{room_id}/receipt/{event_id}`` -- the
-  requester (``Authorization: Bearer``) has read ``room_id`` up to
-  ``event_id``; answered by the room's writer (forwarded over internal RPC
+  requester (``Authorization: Bearer``; joined to the room, else 403) has
+  read ``room_id`` up to ``event_id``; answered by the room's writer (forwarded over internal RPC
   when another writer got the request) with ``{"stream_id": N}``;
 * ``GET /_synflow/client/v1/rooms/{room_id}/receipts`` -- the receipts of a
-  room in stream order, ``{"receipts": [{"user_id", "event_id", "stream_id"}]}``.
+  room the requester is joined to, in stream order, ``{"receipts": [{"user_id", "event_id", "stream_id"}]}``.
 """
 
 from __future__ import annotations
@@ -106,11 +106,15 @@ class ReceiptWriter(api.WorkerType):
         user_id = await self.ctx.requester(request)
         if not room_id.startswith("!") or not event_id.startswith("$"):
             raise api.HttpApiError(400, "M_INVALID_PARAM", "room IDs start with '!' and event IDs with '$'")
+        if await self.ctx.membership(room_id, user_id) != "join":
+            raise api.HttpApiError(403, "M_FORBIDDEN", f"{user_id} is not in {room_id}")
         stream_id = await self.put_receipt(ReceiptRow(room_id, user_id, event_id))
         return 200, {"stream_id": stream_id}
 
     async def on_get_receipts(self, request: Any, room_id: str) -> tuple[int, dict[str, Any]]:
-        await self.ctx.requester(request)
+        user_id = await self.ctx.requester(request)
+        if await self.ctx.membership(room_id, user_id) != "join":
+            raise api.HttpApiError(403, "M_FORBIDDEN", f"{user_id} is not in {room_id}")
         rows = await self.ctx.db.run_interaction("get_receipts", _receipts_txn, room_id, self.settings.max_list,
                                                  read_only=True, idempotent=True)
         return 200, {"receipts": [{"user_id": u, "event_id": e, "stream_id": s} for s, u, e in rows]}
