@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import attrs
@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from synflow.storage.engines import Database
     from synflow.storage.id_generators import StreamWriters
     from synflow.storage.instances import InstanceMap
+    from synflow.storage.stores import DataStore
 
 __all__ = ["Capability", "ProcessContext", "Section", "StreamFollower", "WorkerType"]
 
@@ -139,27 +140,24 @@ class WorkerType:
 class _Starter(Service):
     """Runs a coroutine function when started; a failure is logged."""
 
-    def __init__(self, start: Callable[[], Awaitable[None]]) -> None:
+    def __init__(self, start: Callable[[], Coroutine[Any, Any, None]]) -> None:
         self.start = start
 
     def startService(self) -> None:
         super().startService()
-
-        async def run() -> None:
-            await self.start()
-
-        Deferred.fromCoroutine(run()).addErrback(lambda f: logger.error("start-up task failed: %s", f.getTraceback()))
+        Deferred.fromCoroutine(self.start()).addErrback(
+            lambda f: logger.error("start-up task failed: %s", f.getTraceback()))
 
 
-class _Drain(Service):
-    """Runs a drain function when stopped (stopped first: services stop in reverse)."""
+class _AtStop(Service):
+    """Calls a function when stopped and waits for what it returns (services stop in reverse order)."""
 
-    def __init__(self, drain: Callable[[], Deferred[Any] | None]) -> None:
-        self.drain = drain
+    def __init__(self, call: Callable[[], Deferred[Any] | None]) -> None:
+        self.call = call
 
     def stopService(self) -> Deferred[Any] | None:
         super().stopService()
-        return self.drain()
+        return self.call()
 
 
 class StreamFollower:
@@ -266,18 +264,14 @@ class ProcessContext:
     metrics: CollectorRegistry
     allocated_at_start: Mapping[str, int]
     services: MultiService
-    sections: Mapping[str, Any] = attrs.Factory(dict)
     #: HTTP resources by listener resource name, then path prefix.
     resources: dict[str, dict[str, IResource]] = attrs.Factory(dict)
     health_checks: list[Callable[[], str | None]] = attrs.Factory(list)
-    _store: Any = attrs.field(default=None, init=False)
+    _store: DataStore | None = attrs.field(default=None, init=False)
 
     def section(self, cls: type[S]) -> S:
         """This process's config section of type ``cls`` (its defaults if the files have none)."""
-        for value in self.sections.values():
-            if isinstance(value, cls):
-                return value
-        raise LookupError(f"no config section of type {cls.__name__} is registered")
+        return self.config.section(cls)
 
     def listen(self, resource: str, prefix: str, site_resource: IResource) -> None:
         """Serve ``site_resource`` under the path ``prefix`` on the listener naming ``resource``.
@@ -328,10 +322,9 @@ class ProcessContext:
 
     async def membership(self, room_id: str, user_id: str) -> str | None:
         """``user_id``'s current membership of ``room_id`` (``join``, ``invite``, ``leave``, ``ban``), or None."""
-        membership = await self._data_store().get_membership(room_id, user_id)
-        return membership
+        return await self._data_store().get_membership(room_id, user_id)
 
-    def _data_store(self) -> Any:
+    def _data_store(self) -> DataStore:
         from synflow.storage.stores import DataStore
 
         if self._store is None:
@@ -343,8 +336,11 @@ class ProcessContext:
         service.setServiceParent(self.services)
 
     def add_drain(self, drain: Callable[[], Deferred[Any] | None]) -> None:
-        """Wait for ``drain()`` first at shutdown (in-flight work finishing)."""
-        _Drain(drain).setServiceParent(self.services)
+        """At shutdown, before replication stops, call ``drain()`` and wait for what it returns.
+
+        For in-flight work finishing, or connections closing; later additions run first.
+        """
+        _AtStop(drain).setServiceParent(self.services)
 
     def add_health_check(self, check: Callable[[], str | None]) -> None:
         """``/health`` answers 503 with the returned text while ``check()`` is not None."""

@@ -73,7 +73,7 @@ class SynflowProcess(ProcessService):
             config=config, reactor=self.reactor, clock=self.reactor, db=self.db, audit=self.audit,
             instances=self.instances, handler=handler, writers=self.replication.writers, rpc=self.rpc_server,
             rpc_client=self.rpc_client, metrics=REGISTRY, allocated_at_start=self.replication.allocated_at_start,
-            services=self.app_services, sections=config.sections,
+            services=self.app_services,
         )
         self.context.listen("rpc", RPC_PREFIX, self.rpc_server)
         built = self.worker.build(self.context)
@@ -150,4 +150,3 @@ class SynflowProcess(ProcessService):
             return rpc.close().addBoth(lambda _: result) if rpc is not None else succeed(result)
 
         return d.addBoth(close_rpc)
-

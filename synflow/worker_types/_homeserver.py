@@ -22,8 +22,6 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from twisted.application.service import Service
-
 from synflow.caching import CacheRegistry, open_tier, tier_prefix
 from synflow.events.persist import EventPersister, PersistResult
 from synflow.events.router import EventRouter, serve_persist
@@ -53,15 +51,6 @@ from synflow.listeners import serving
 from synflow.storage.stores import DataStore
 from synflow.streams import EVENTS
 from synflow.tokens import StreamToken
-
-
-class _Closer(Service):
-    def __init__(self, close: Any) -> None:
-        self.close = close
-
-    def stopService(self) -> Any:
-        super().stopService()
-        return self.close()
 
 
 class Homeserver(WorkerType):
@@ -156,7 +145,7 @@ class Homeserver(WorkerType):
         # read at that position can see the old membership.
         ctx.on_rows(EVENTS.name, self.caches.events_row_handler)
         if self.tier is not None:
-            ctx.add_service(_Closer(self.tier.close))
+            ctx.add_drain(self.tier.close)
 
     async def queue_edus(self, edus: list[tuple[str, str, dict[str, Any]]]) -> None:
         """Queue EDUs on the master's federation stream (directly, or over RPC)."""
