@@ -65,11 +65,13 @@ class Plugins:
         apps: worker types by name.
         streams: streams by name.
         origin: ``"app:<name>"`` / ``"stream:<name>"`` -> distribution name.
+        reserved: each reserved instance name -> the worker type that reserves it.
     """
 
     apps: Mapping[str, type[WorkerType]]
     streams: Mapping[str, StreamDef]
     origin: Mapping[str, str]
+    reserved: Mapping[str, str]
 
     def listing(self) -> list[str]:
         """Lines for ``--help`` and ``synflowctl plugins``: each worker type and stream, where it comes from."""
@@ -112,9 +114,8 @@ def _discover() -> Plugins:
     for found in _unique(streams_found, "stream"):
         found_streams[found.name] = _load_stream(found)
         origin[f"stream:{found.name}"] = found.distribution
-    plugins = Plugins(apps, found_streams, origin)
+    plugins = Plugins(apps, found_streams, origin, _reserved(apps))
     _check_sections(plugins)
-    _check_reserved(plugins)
     return plugins
 
 
@@ -223,15 +224,17 @@ def _check_section(cls: type[WorkerType], what: str, core: frozenset[str],
     claimed[section.key] = (what, section.type)
 
 
-def _check_reserved(plugins: Plugins) -> None:
+def _reserved(apps: Mapping[str, type[WorkerType]]) -> dict[str, str]:
+    """Each reserved instance name -> its worker type; two types reserving one name is a PluginError."""
     reserved: dict[str, str] = {}
-    for name, cls in plugins.apps.items():
+    for name, cls in sorted(apps.items()):
         instance = cls.reserved_instance_name
         if instance is None:
             continue
         if instance in reserved:
             raise PluginError(f"worker types {reserved[instance]!r} and {name!r} both reserve the instance name {instance!r}")
         reserved[instance] = name
+    return reserved
 
 
 def load_dotted(path: str) -> type[WorkerType]:
@@ -315,10 +318,9 @@ def check_app(config: SynflowConfig, error: Callable[[str, str], Exception]) -> 
                            {key: ("a registered worker type", t) for key, t in config_sections().items()})
         except PluginError as e:
             raise error("app", str(e)) from None
-    reserved = {t.reserved_instance_name: n for n, t in plugins.apps.items() if t.reserved_instance_name}
     if cls.reserved_instance_name is not None and config.instance_name != cls.reserved_instance_name:
         raise error("instance_name", f"a {cls.name} process's instance_name must be {cls.reserved_instance_name!r}")
-    owner = reserved.get(config.instance_name)
+    owner = plugins.reserved.get(config.instance_name)
     if owner is not None and owner != cls.name:
         raise error("instance_name", f"{config.instance_name!r} is reserved for the app: {owner} process")
     for stream in cls.writes:

@@ -143,6 +143,14 @@ class DiscoveryTest(_Files):
             registry.discover(refresh=True)
         self.assertIn("the class is named 'note_writer', not 'scribe'", str(cm.exception))
 
+    def test_two_types_reserving_one_instance_name(self):
+        """A plugin reserving the instance name another worker type reserves is refused, naming both."""
+        source = NOTES_PLUGIN + '\n\nclass Boss(NoteWriter):\n    name = "boss"\n    reserved_instance_name = "master"\n'
+        install_fake_distribution(self, "boss-plugin", {"boss_plugin": source}, apps={"boss": "boss_plugin:Boss"})
+        with self.assertRaises(PluginError) as cm:
+            registry.discover(refresh=True)
+        self.assertIn("worker types 'boss' and 'master' both reserve the instance name 'master'", str(cm.exception))
+
     def test_section_may_not_take_a_core_key(self):
         """A plugin whose config section is one of synflow's own keys is refused."""
         source = NOTES_PLUGIN.replace('api.Section("notes"', 'api.Section("database"')

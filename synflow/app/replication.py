@@ -94,7 +94,7 @@ async def setup_replication(
     generators: dict[str, MultiWriterIdGenerator] = {}
     positions: dict[str, dict[str, int]] = {}
     allocated: dict[str, int] = {}
-    reserved = [t.reserved_instance_name for t in registry.discover().apps.values() if t.reserved_instance_name]
+    reserved = registry.discover().reserved
     for name, stream in streams.items():
         state = await db.run_interaction(
             f"load_stream_{name}", load_stream_state_txn, stream, me, config.database.repair_positions,
