@@ -35,7 +35,7 @@ from synflow.errors import SynflowError
 from synflow.framework import Capability
 from synflow.storage.createdb import ensure_database_txn
 from synflow.storage.engines import Database
-from synflow.storage.id_generators import ensure_sequence_txn
+from synflow.storage.id_generators import ensure_sequences_txn
 from synflow.storage.instances import InstanceMap
 from synflow.storage.prepare import prepare_database, prepare_plugin_schemas, wait_for_schema
 
@@ -97,8 +97,10 @@ class ProcessService(MultiService):
         plugin_versions = await prepare_plugin_schemas(db, registry.plugin_schemas(config))
         if plugin_versions:
             logger.info("plugin schemas: %s", ", ".join(f"{n} at {v}" for n, v in sorted(plugin_versions.items())))
-        for stream in registry.streams().values():
-            await db.run_interaction(f"ensure_sequence_{stream.name}", ensure_sequence_txn, stream, idempotent=True)
+        created = await db.run_interaction("ensure_sequences", ensure_sequences_txn, list(registry.streams().values()),
+                                           idempotent=True)
+        if created:
+            logger.info("created the ID sequences of streams %s", ", ".join(created))
         self.instances = InstanceMap(db, self.audit)
         await self.instances.load()
         self.replication = await setup_replication(config, self.reactor, db, audit=self.audit)

@@ -95,19 +95,34 @@ def last_allocated_txn(txn: Txn, stream: StreamDef) -> int:
     return int(row[0])
 
 
-def ensure_sequence_txn(txn: Txn, stream: StreamDef) -> None:
-    """Create the stream's ID sequence if it is missing (its first ID is 2, as synflow's own streams').
+def ensure_sequences_txn(txn: Txn, streams: Iterable[StreamDef]) -> list[str]:
+    """Create each stream's ID sequence that is missing (its first ID is 2, as synflow's own streams').
 
     A plugin stream's migrations create only its table; the framework owns
     its sequence (``stream.sequence`` on PostgreSQL, a ``stream_sequences``
-    row on SQLite).
+    row on SQLite). Run by every process at start: the sequences that exist
+    are only looked up, and the schema lock is taken only to create one.
+    Returns the names of the streams whose sequence was created.
     """
-    txn.engine.lock_schema_txn(txn)  # concurrent CREATE SEQUENCE IF NOT EXISTS can still collide
     if txn.engine.name == "postgres":
-        txn.execute(f"CREATE SEQUENCE IF NOT EXISTS {stream.sequence} START WITH 2")
-    else:
+        missing = []
+        for stream in streams:
+            txn.execute("SELECT to_regclass(?)", (stream.sequence,))
+            row = txn.fetchone()
+            if row is None or row[0] is None:
+                missing.append(stream)
+        if missing:
+            txn.engine.lock_schema_txn(txn)  # concurrent CREATE SEQUENCE IF NOT EXISTS can still collide
+        for stream in missing:
+            txn.execute(f"CREATE SEQUENCE IF NOT EXISTS {stream.sequence} START WITH 2")
+        return [stream.name for stream in missing]
+    created = []
+    for stream in streams:  # the interaction holds SQLite's write lock already
         txn.execute("INSERT INTO stream_sequences (stream_name, last_id) VALUES (?, 1) "
                     "ON CONFLICT (stream_name) DO NOTHING", (stream.name,))
+        if txn.rowcount:
+            created.append(stream.name)
+    return created
 
 
 def bump_sequence_txn(txn: Txn, stream: StreamDef, at_least: int) -> None:

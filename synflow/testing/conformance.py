@@ -94,7 +94,7 @@ from synflow.storage.id_generators import (
     MultiWriterIdGenerator,
     StreamWriteContext,
     StreamWriters,
-    ensure_sequence_txn,
+    ensure_sequences_txn,
     insert_stream_rows_txn,
     last_allocated_txn,
     load_stream_state_txn,
@@ -509,7 +509,7 @@ class StreamConformance(_TestCaseBase):
         schemas = self.plugin_schemas()
         if schemas:
             await prepare_plugin_schemas(db, schemas)
-        await db.run_interaction("ensure_sequence", ensure_sequence_txn, stream)  # as the bootstrap does
+        await db.run_interaction("ensure_sequences", ensure_sequences_txn, [stream])  # as the bootstrap does
         committed = _CommittedRows(path, stream)
         self.addCleanup(committed.close)
         allocated = await db.run_interaction("allocated", last_allocated_txn, stream)

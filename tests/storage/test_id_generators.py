@@ -20,6 +20,7 @@ from synflow.storage.id_generators import (
     StreamState,
     StreamWriteContext,
     StreamWriters,
+    ensure_sequences_txn,
     last_allocated_txn,
     load_stream_state_txn,
     persist_position_txn,
@@ -69,6 +70,18 @@ class IdGeneratorTestsMixin:
 
     async def _db(self) -> Database:
         return await make_database(self, self.engine)
+
+    async def test_missing_sequences_created_once(self) -> None:
+        """A plugin stream's sequence is created on first start (first ID 2, like synflow's own); existing ones,
+        and a second start, create nothing."""
+        import attrs
+
+        db = await self._db()
+        plugin = attrs.evolve(EVENTS, name="plugin_notes", sequence="plugin_notes_seq")
+        streams = [EVENTS, plugin]
+        self.assertEqual(await db.run_interaction("ensure", ensure_sequences_txn, streams), ["plugin_notes"])
+        self.assertEqual(await db.run_interaction("ensure", ensure_sequences_txn, streams), [])
+        self.assertEqual(await db.run_interaction("last", last_allocated_txn, plugin), 1)
 
     async def _load(self, db: Database, repair: bool = False, instance: str = WRITER) -> StreamState:
         return await db.run_interaction("load", load_stream_state_txn, EVENTS, instance, repair)
