@@ -270,6 +270,8 @@ async def _prepare(db: Database, apply: bool, schema_dir: str | os.PathLike[str]
                 f"this code needs {goal}; only the master applies migrations"
             )
         return current or 0
+    if current is not None and current >= goal:
+        return current  # nothing pending: no lock, no write (every process passes here at start)
     await db.run_interaction("schema_create_version_table", _create_version_table_txn, namespace)
     for f in files:
         if f.version > goal:

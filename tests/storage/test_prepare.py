@@ -17,6 +17,7 @@ from synflow.storage.prepare import (
     current_version,
     latest_version,
     prepare_database,
+    prepare_plugin_schemas,
     schema_files,
     split_sql,
     wait_for_schema,
@@ -185,6 +186,26 @@ class PrepareTestsMixin:
         """synflow's own migrations apply cleanly and reach the code's version."""
         db = await make_database(self, self.engine)
         self.assertEqual(await current_version(db), latest_version())
+
+    async def test_plugin_namespaces(self) -> None:
+        """Plugin migrations keep their versions per namespace: the same numbers in two namespaces both apply,
+        once, beside synflow's own schema, and a second start applies nothing."""
+        db = await make_database(self, self.engine)
+        notes = write_schema(self, {"0001_notes.sql": "CREATE TABLE notes (id BIGINT);\n",
+                                    "0002_more.sql": "CREATE TABLE notes_more (id BIGINT);\n"})
+        tags = write_schema(self, {"0001_tags.sql": "CREATE TABLE tags (id BIGINT);\n"})
+        schemas = {"stream:notes": notes, "app:tagger": tags}
+        self.assertEqual(await prepare_plugin_schemas(db, schemas), {"stream:notes": 2, "app:tagger": 1})
+        self.assertEqual(await prepare_plugin_schemas(db, schemas), {"stream:notes": 2, "app:tagger": 1})
+
+        def applied_txn(txn: Txn) -> list[tuple[str, int]]:
+            txn.execute("SELECT namespace, version FROM plugin_schema_version ORDER BY namespace, version")
+            return [(r[0], int(r[1])) for r in txn.fetchall()]
+
+        self.assertEqual(await db.run_interaction("applied", applied_txn),
+                         [("app:tagger", 1), ("stream:notes", 1), ("stream:notes", 2)])
+        self.assertEqual(await current_version(db), latest_version())  # synflow's own version is untouched
+        self.assertIsNone(await current_version(db, "app:unknown"))
 
     async def test_migrations_apply_in_order(self) -> None:
         """Every migration applies in version order and is recorded in schema_version."""
