@@ -23,23 +23,12 @@ class Options(usage.Options):
     """Options of ``twistd synflow``."""
 
     synopsis = "--config FILE [--config FILE ...]"
-
     longdesc = (
         "Runs one synflow process. Its worker type (app:, one of those listed "
         "below or package.module:Class) and everything else come from the YAML "
         "config files; later files override earlier ones key by key. See "
         "docs/configuration.md for every key and docs/framework.md for plugins."
     )
-
-    def getUsage(self, width: int | None = None) -> str:
-        """The usage text, then the worker types and streams installed (one per line)."""
-        from synflow import registry
-
-        try:
-            listing = "\n".join(registry.discover().listing())
-        except SynflowError as e:
-            listing = f"(the installed plugins could not be listed: {e})"
-        return f"{super().getUsage(width)}\n{listing}\n"
     optFlags = [
         ["check-config", None, "Validate the config files, print a summary and exit."],
     ]
@@ -53,6 +42,16 @@ class Options(usage.Options):
         self["config"].append(path)
 
     opt_c = opt_config
+
+    def getUsage(self, width: int | None = None) -> str:
+        """The usage text, then the worker types and streams installed (one per line)."""
+        from synflow import registry
+
+        try:
+            listing = "\n".join(registry.discover().listing())
+        except SynflowError as e:
+            listing = f"(the installed plugins could not be listed: {e})"
+        return f"{super().getUsage(width)}\n{listing}\n"
 
     def postOptions(self) -> None:
         if not self["config"]:
