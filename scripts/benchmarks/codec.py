@@ -14,6 +14,21 @@ cache invalidations), POSITION and PING.
 * ceiling, encode: ``json.dumps`` (compact) of the same wire list, an
   f-string and ``str.encode``.
 
+Beside the ceiling, the same lines go through **Synapse's own codec**
+(``synapse.replication.tcp.commands``, when matrix-synapse is importable: it
+is in the ``test`` extra), codec against codec, in the same process and in
+alternating rounds:
+
+* parse: ``bytes.decode`` and ``parse_command_from_line`` (what Synapse's
+  ``lineReceived`` does) against :func:`parse_line` on the bytes;
+* encode: build the command from its fields (the row as its wire list) and
+  turn it into bytes as Synapse's ``send_command`` does (``"%s %s" % (NAME,
+  to_line())``, the newline check, ``str.encode``, the length check) against
+  the same command classes of synflow's and :func:`encode_line_bytes`.
+
+Neither side builds row objects here: Synapse's streams define other row
+shapes, so the comparison stops at the codec.
+
 Each side runs over the same 20,000-line mix; timings interleave the two and
 keep the best of several passes (standard for micro-benchmarks: the minimum
 is the least disturbed by other load), measured in this thread's CPU time so
@@ -42,6 +57,8 @@ from synflow.streams import CachesRow, EventsRow
 TARGETS = [
     {"row": "codec.mix", "field": "ratio", "op": ">=", "threshold": 0.8,
      "label": "≥ 0.8 of bare split + json (parse + encode, mixed lines)"},
+    {"row": "codec.synapse", "field": "ratio", "op": ">=", "threshold": 1.5,
+     "label": "≥ 1.5× Synapse's codec (parse + encode, mixed lines)"},
 ]
 
 KINDS = ("rdata_events", "rdata_caches", "position", "ping")
@@ -127,6 +144,88 @@ def bare_encode(items: list[tuple[str, Any, Any]]) -> None:
             f"PING {cmd.data}".encode()
 
 
+# -- Synapse's codec ---------------------------------------------------------------------------
+
+
+def import_synapse() -> tuple[Any, str]:
+    """Synapse's replication commands module, or None and why it cannot be imported."""
+    try:
+        from synapse.util import check_dependencies
+
+        # Importing Synapse checks its optional dependencies' pins and exits on a
+        # mismatch (synflow needs txredisapi 1.6, Synapse pins < 1.6); the codec
+        # needs none of them.
+        check_dependencies.check_requirements = lambda extra=None: None
+        import synapse.replication.tcp.commands as synapse_commands
+    except Exception as e:  # not installed, or an import-time failure of its own
+        return None, f"Synapse is not importable ({type(e).__name__}: {e}); install the test extra"
+    return synapse_commands, ""
+
+
+def synapse_parse(syn: Any) -> Callable[[list[bytes]], None]:
+    parse = syn.parse_command_from_line
+
+    def run(lines: list[bytes]) -> None:
+        for line in lines:
+            parse(line.decode("utf-8"))
+
+    return run
+
+
+def synapse_encode(syn: Any) -> Callable[[list[tuple[str, Any, Any]]], None]:
+    rdata, position, ping = syn.RdataCommand, syn.PositionCommand, syn.PingCommand
+
+    def run(items: list[tuple[str, Any, Any]]) -> None:
+        for kind, cmd, _row in items:
+            if kind == "position":
+                c = position(cmd.stream_name, cmd.instance_name, cmd.prev_token, cmd.new_token)
+            elif kind == "ping":
+                c = ping(cmd.data)
+            else:
+                c = rdata(cmd.stream_name, cmd.instance_name, cmd.token, cmd.row)
+            string = "%s %s" % (c.NAME, c.to_line())  # noqa: UP031 -- Synapse's own formatting
+            if "\n" in string:
+                raise ValueError(string)
+            data = string.encode("utf-8")
+            if len(data) > 16384:
+                raise ValueError(string)
+
+    return run
+
+
+def synflow_codec_parse(lines: list[bytes]) -> None:
+    for line in lines:
+        parse_line(line)
+
+
+def synflow_codec_encode(items: list[tuple[str, Any, Any]]) -> None:
+    for kind, cmd, _row in items:
+        if kind == "position":
+            c: Any = PositionCommand(cmd.stream_name, cmd.instance_name, cmd.prev_token, cmd.new_token)
+        elif kind == "ping":
+            c = PingCommand(cmd.data)
+        else:
+            c = RdataCommand(cmd.stream_name, cmd.instance_name, cmd.token, cmd.row)
+        encode_line_bytes(c)
+
+
+def compare_synapse(syn: Any, items: list[tuple[str, Any, Any]], passes: int) -> dict[str, Any]:
+    """synflow's codec against Synapse's on the same lines, alternating rounds; lines/s of each."""
+    lines = [encode_line_bytes(cmd) for _k, cmd, _r in items]
+    for line in lines[:200]:  # the same text on both sides
+        back = syn.parse_command_from_line(line.decode("utf-8"))
+        assert f"{back.NAME} {back.to_line()}".encode() == line, line
+    fns = {"syn_parse": (synflow_codec_parse, lines), "synapse_parse": (synapse_parse(syn), lines),
+           "syn_encode": (synflow_codec_encode, items), "synapse_encode": (synapse_encode(syn), items)}
+    t = dict.fromkeys(fns, float("inf"))
+    for _ in range(3):
+        for key, (fn, arg) in fns.items():
+            t[key] = min(t[key], _best(fn, arg, passes // 3 + 1))
+    n = len(items)
+    return {"synflow": n / (t["syn_parse"] + t["syn_encode"]), "synapse": n / (t["synapse_parse"] + t["synapse_encode"]),
+            **{k: n / v for k, v in t.items()}}
+
+
 def _best(fn: Callable[[Any], None], arg: Any, passes: int) -> float:
     # CPU time of this thread, not wall time: on a shared machine the wall
     # clock also counts the time other processes held the core.
@@ -182,4 +281,18 @@ def run(quick: bool, progress: Progress) -> dict[str, Any]:
                          "value": timings[name][f"syn_{op}"], "ceiling": timings[name][f"bare_{op}"],
                          "ceiling_label": "bare", "ratio": timings[name][f"syn_{op}"] / timings[name][f"bare_{op}"]})
         progress(f"{label}: synflow {syn:,.0f} lines/s, bare {bare:,.0f} lines/s, ratio {syn / bare:.2f}")
-    return {"rows": rows, "targets": TARGETS, "extra": {"ops_per_s": timings, "lines": n}}
+    extra: dict[str, Any] = {"ops_per_s": timings, "lines": n}
+    synapse, why = import_synapse()
+    label = "parse + encode, mixed lines, codec only: synflow vs Synapse's replication codec"
+    if synapse is None:
+        progress(f"Synapse's codec: skipped: {why}")
+        rows.append({"key": "codec.synapse", "label": label, "unit": "lines/s", "value": None, "ceiling": None,
+                     "ratio": None, "note": f"skipped: {why}"})
+    else:
+        got = compare_synapse(synapse, items, passes)
+        extra["synapse"] = got
+        rows.append({"key": "codec.synapse", "label": label, "unit": "lines/s", "value": got["synflow"],
+                     "ceiling": got["synapse"], "ceiling_label": "Synapse, same lines", "ratio": got["synflow"] / got["synapse"]})
+        progress(f"Synapse's codec: synflow {got['synflow']:,.0f} lines/s, Synapse {got['synapse']:,.0f} lines/s, "
+                 f"ratio {got['synflow'] / got['synapse']:.2f}")
+    return {"rows": rows, "targets": TARGETS, "extra": extra}

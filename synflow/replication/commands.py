@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import enum
 import json
+import json.encoder
+import json.scanner
 import math
 import re
-from typing import Any, ClassVar, Final, Protocol, TypeAlias
+from typing import Any, ClassVar, Final, Protocol, TypeAlias, cast
 
 import attrs
 
@@ -141,7 +143,6 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-_json_encoder = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
 def _finite_float(text: str) -> float:
     value = float(text)
     if math.isinf(value):
@@ -149,7 +150,35 @@ def _finite_float(text: str) -> float:
     return value
 
 
+_json_encoder = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
 _json_decoder = json.JSONDecoder(parse_constant=_no_constants, parse_float=_finite_float)
+
+# The C scanner and encoder behind the two objects above, called directly:
+# ``JSONDecoder.decode`` adds two whitespace regex matches per value and
+# ``JSONEncoder.encode`` builds a fresh C encoder per call, which together
+# cost more than the JSON work on a typical row. The results are identical:
+# the scanner is the decoder's own (same hooks), and anything it does not
+# settle in one clean pass (leading or trailing whitespace, an error) goes
+# through ``decode`` for the exact outcome and message. Without the C
+# accelerator (another interpreter) both fall back to the objects above.
+_c_make_scanner: Any = getattr(json.scanner, "c_make_scanner", None)
+_c_make_encoder: Any = getattr(json.encoder, "c_make_encoder", None)
+_scan_json: Any = _c_make_scanner(_json_decoder) if _c_make_scanner else None
+_encode_json_chunks: Any = (
+    _c_make_encoder(
+        None,  # no circular-reference markers: a cycle ends in RecursionError, refused below
+        _json_encoder.default,
+        json.encoder.encode_basestring_ascii,
+        None,  # no indent
+        ":",
+        ",",
+        False,  # sort_keys
+        False,  # skipkeys
+        False,  # allow_nan
+    )
+    if _c_make_encoder
+    else None
+)
 
 
 def encode_json(value: Any) -> str:
@@ -159,6 +188,8 @@ def encode_json(value: Any) -> str:
         LocalProtocolError: if the value is not JSON-serialisable.
     """
     try:
+        if _encode_json_chunks is not None and type(value) is list:
+            return "".join(_encode_json_chunks(value, 0))
         return _json_encoder.encode(value)
     except (TypeError, ValueError, RecursionError) as e:
         raise LocalProtocolError(f"row is not encodable as JSON: {e}") from None
@@ -170,10 +201,26 @@ def decode_json(text: str) -> Any:
     Raises:
         RemoteProtocolError: on any malformed JSON.
     """
+    if _scan_json is not None:
+        try:
+            value, end = _scan_json(text, 0)
+        except (StopIteration, ValueError, RecursionError):
+            pass  # settled below, with the decoder's own message
+        else:
+            if end == len(text):
+                return value
     try:
         return _json_decoder.decode(text)
     except (ValueError, RecursionError) as e:
         raise RemoteProtocolError(f"bad JSON: {e}") from None
+
+
+def _decode_row(row_json: str) -> list[Any]:
+    """An RDATA row from its JSON text: a JSON array, or RemoteProtocolError."""
+    row = decode_json(row_json)
+    if type(row) is not list:
+        raise RemoteProtocolError(f"RDATA row must be a JSON array, got {row_json[:80]!r}")
+    return row
 
 
 # -- commands with a single free-text argument -------------------------------
@@ -342,7 +389,7 @@ class ReplicateCommand:
 # -- stream commands -----------------------------------------------------------
 
 
-@attrs.frozen
+@attrs.frozen(init=False)
 class PositionCommand:
     """``POSITION <stream> <instance> <prev_token> <new_token>``.
 
@@ -362,22 +409,60 @@ class PositionCommand:
     #: The encoded line, once known (parsed from or encoded to bytes); relays reuse it.
     wire: bytes | None = attrs.field(default=None, init=False, eq=False, repr=False)
 
+    def __init__(self, stream_name: str, instance_name: str, prev_token: int, new_token: int) -> None:
+        # The field validators, inlined: a writer sends one after every idle tick.
+        if not (
+            type(stream_name) is str and stream_name and " " not in stream_name and "\n" not in stream_name
+            and type(instance_name) is str and instance_name and " " not in instance_name
+            and "\n" not in instance_name
+            and type(prev_token) is int and _INT64_MIN <= prev_token <= _INT64_MAX
+            and type(new_token) is int and _INT64_MIN <= new_token <= _INT64_MAX
+        ):
+            _set(self, "stream_name", stream_name)
+            _set(self, "instance_name", instance_name)
+            _set(self, "prev_token", prev_token)
+            _set(self, "new_token", new_token)
+            attrs.validate(self)  # raises, naming the field
+        _set(self, "stream_name", stream_name)
+        _set(self, "instance_name", instance_name)
+        _set(self, "prev_token", prev_token)
+        _set(self, "new_token", new_token)
+        _set(self, "wire", None)
+
     @classmethod
     def from_args(cls, args: str) -> PositionCommand:
-        stream, instance, prev, new = _split(
-            args, 4, "POSITION", "<stream> <instance> <prev_token> <new_token>"
-        )
-        # Built without re-running the field validators: every field is checked here.
-        cmd = _new(cls)
-        _set(cmd, "stream_name", _parse_word(stream, "POSITION stream name"))
-        _set(cmd, "instance_name", _parse_word(instance, "POSITION instance name"))
-        _set(cmd, "prev_token", _parse_int(prev, "POSITION prev_token"))
-        _set(cmd, "new_token", _parse_int(new, "POSITION new_token"))
-        _set(cmd, "wire", None)
-        return cmd
+        return _parse_position(args, None)
 
     def to_args(self) -> str:
         return f"{self.stream_name} {self.instance_name} {self.prev_token} {self.new_token}"
+
+
+def _parse_position(args: str, wire: bytes | None) -> PositionCommand:
+    """POSITION's arguments; every field is checked here (no validators re-run)."""
+    parts = args.split(" ")
+    if len(parts) == 4:
+        stream, instance, prev, new = parts
+        if (stream and instance and 0 < len(prev) < 19 and 0 < len(new) < 19 and prev.isdigit()
+                and new.isdigit() and prev.isascii() and new.isascii()):
+            prev_token, new_token = int(prev), int(new)  # the common case: small tokens, in range
+        else:
+            prev_token = _parse_int(prev, "POSITION prev_token")
+            new_token = _parse_int(new, "POSITION new_token")
+            _parse_word(stream, "POSITION stream name")
+            _parse_word(instance, "POSITION instance name")
+    else:  # the message names the problem: a count, or an integer that swallowed a space
+        stream, instance, prev, new = _split(args, 4, "POSITION", "<stream> <instance> <prev_token> <new_token>")
+        prev_token = _parse_int(prev, "POSITION prev_token")
+        new_token = _parse_int(new, "POSITION new_token")
+        _parse_word(stream, "POSITION stream name")
+        _parse_word(instance, "POSITION instance name")
+    cmd = _new(PositionCommand)
+    _set(cmd, "stream_name", stream)
+    _set(cmd, "instance_name", instance)
+    _set(cmd, "prev_token", prev_token)
+    _set(cmd, "new_token", new_token)
+    _set(cmd, "wire", wire)
+    return cmd
 
 
 def _check_token(instance: object, attribute: attrs.Attribute, value: int | None) -> None:
@@ -386,11 +471,12 @@ def _check_token(instance: object, attribute: attrs.Attribute, value: int | None
 
 
 def _check_row(instance: object, attribute: attrs.Attribute, value: Any) -> None:
-    if not isinstance(value, list):
+    # A str is a row still undecoded (see RdataCommand.row): its JSON is checked when read.
+    if not isinstance(value, list) and type(value) is not str:
         raise LocalProtocolError(f"RDATA row must be a list (a JSON array), got {value!r}")
 
 
-@attrs.frozen(hash=False)
+@attrs.frozen(init=False, eq=False, repr=False)
 class RdataCommand:
     """``RDATA <stream> <instance> <token|batch> <row_json>`` -- one stream row.
 
@@ -398,6 +484,12 @@ class RdataCommand:
     last with the token ``batch`` (``token is None`` here); a reader buffers
     them and advances only on the numeric token. The row is a JSON array
     whose shape the stream defines; it may contain spaces, never newlines.
+
+    A command parsed with ``decode_rows=False`` (what a connection core
+    does) keeps its row's JSON text and decodes it when :attr:`row` is first
+    read, as strictly as :func:`parse_line` does, raising
+    :class:`~synflow.errors.RemoteProtocolError` if it is not a JSON array.
+    A relay that never reads the row forwards the received bytes untouched.
 
     Example: ``RDATA caches master 54 ["get_user_by_id",["@b:hs"],1700000000000]``
     """
@@ -407,30 +499,107 @@ class RdataCommand:
     stream_name: str = attrs.field(validator=_check_word)
     instance_name: str = attrs.field(validator=_check_word)
     token: int | None = attrs.field(validator=_check_token)
-    row: list[Any] = attrs.field(validator=_check_row)
+    #: The row (a list), or its JSON text until :attr:`row` is first read.
+    _row: list[Any] | str = attrs.field(validator=_check_row, alias="row")
     #: The encoded line, once known (parsed from or encoded to bytes); relays reuse it.
-    wire: bytes | None = attrs.field(default=None, init=False, eq=False, repr=False)
+    wire: bytes | None = attrs.field(default=None, init=False)
+
+    def __init__(self, stream_name: str, instance_name: str, token: int | None, row: list[Any]) -> None:
+        # The field validators, inlined: rows are built once per row written.
+        if not (
+            type(stream_name) is str and stream_name and " " not in stream_name and "\n" not in stream_name
+            and type(instance_name) is str and instance_name and " " not in instance_name
+            and "\n" not in instance_name
+            and (token is None or (type(token) is int and _INT64_MIN <= token <= _INT64_MAX))
+            and isinstance(row, list)
+        ):
+            _set(self, "stream_name", stream_name)
+            _set(self, "instance_name", instance_name)
+            _set(self, "token", token)
+            _set(self, "_row", row if isinstance(row, list) else [])
+            attrs.validate(self)  # raises, naming the field
+            if not isinstance(row, list):
+                raise LocalProtocolError(f"RDATA row must be a list (a JSON array), got {row!r}")
+        _set(self, "stream_name", stream_name)
+        _set(self, "instance_name", instance_name)
+        _set(self, "token", token)
+        _set(self, "_row", row)
+        _set(self, "wire", None)
+
+    @property
+    def row(self) -> list[Any]:
+        """The row, decoded from the wire on first use.
+
+        Raises:
+            RemoteProtocolError: the row arrived undecoded and is not a JSON array.
+        """
+        row = self._row
+        if type(row) is str:
+            row = _decode_row(row)
+            _set(self, "_row", row)
+        return row  # type: ignore[return-value]
+
+    @property
+    def row_decoded(self) -> bool:
+        """Whether the row's JSON has been decoded (always, unless parsed with ``decode_rows=False``)."""
+        return type(self._row) is not str
 
     @classmethod
     def from_args(cls, args: str) -> RdataCommand:
-        stream, instance, token, row_json = _split(
-            args, 4, "RDATA", "<stream> <instance> <token> <row_json>"
-        )
-        row = decode_json(row_json)
-        if not isinstance(row, list):
-            raise RemoteProtocolError(f"RDATA row must be a JSON array, got {row_json[:80]!r}")
-        # Built without re-running the field validators: every field is checked here.
-        cmd = _new(cls)
-        _set(cmd, "stream_name", _parse_word(stream, "RDATA stream name"))
-        _set(cmd, "instance_name", _parse_word(instance, "RDATA instance name"))
-        _set(cmd, "token", None if token == BATCH_TOKEN else _parse_int(token, "RDATA token"))
-        _set(cmd, "row", row)
-        _set(cmd, "wire", None)
-        return cmd
+        return _parse_rdata(args, True, None)
 
     def to_args(self) -> str:
         token = BATCH_TOKEN if self.token is None else str(self.token)
         return f"{self.stream_name} {self.instance_name} {token} {encode_json(self.row)}"
+
+    def _compared(self) -> tuple[Any, ...]:
+        try:
+            row: Any = self.row
+        except RemoteProtocolError:
+            row = ("undecodable JSON", self._row)
+        return (self.stream_name, self.instance_name, self.token, row)
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not RdataCommand:
+            return NotImplemented
+        return self._compared() == other._compared()
+
+    __hash__ = None  # type: ignore[assignment]  # rows are lists: not hashable
+
+    def __repr__(self) -> str:
+        try:
+            row: Any = self.row
+        except RemoteProtocolError:
+            row = f"<undecodable JSON {self._row!r}>"
+        return (f"RdataCommand(stream_name={self.stream_name!r}, instance_name={self.instance_name!r}, "
+                f"token={self.token!r}, row={row!r})")
+
+
+def _parse_rdata(args: str, decode_rows: bool, wire: bytes | None) -> RdataCommand:
+    """RDATA's arguments; every field is checked here (no validators re-run)."""
+    parts = args.split(" ", 3)
+    if len(parts) != 4:
+        raise RemoteProtocolError(
+            f"RDATA needs 4 arguments (<stream> <instance> <token> <row_json>), got {len(parts)}: {args!r}"
+        )
+    stream, instance, token, row_json = parts
+    if not stream:
+        raise RemoteProtocolError("RDATA stream name is empty")
+    if not instance:
+        raise RemoteProtocolError("RDATA instance name is empty")
+    if token == BATCH_TOKEN:
+        number: int | None = None
+    elif 0 < len(token) < 19 and token.isdigit() and token.isascii():
+        number = int(token)  # the common case: a small non-negative token, always in range
+    else:
+        number = _parse_int(token, "RDATA token")
+    cmd = _new(RdataCommand)
+    _set(cmd, "stream_name", stream)
+    _set(cmd, "instance_name", instance)
+    _set(cmd, "token", number)
+    _set(cmd, "_row", _decode_row(row_json) if decode_rows else row_json)
+    _set(cmd, "wire", wire)  # a relay sends the bytes received on unchanged
+    return cmd
 
 
 class SyncState(enum.Enum):
@@ -560,11 +729,25 @@ def may_send(command: type[AnyCommand] | AnyCommand, side: Side) -> bool:
     return bool(command.SENDERS & side)
 
 
-def parse_line(line: str | bytes) -> AnyCommand:
+#: Commands whose only field is free text, by the field's name: every text
+#: without a newline is valid, which :func:`parse_line` has checked already.
+_TEXT_FIELD: Final[dict[type[AnyCommand], str]] = {
+    cls: attrs.fields(cls)[0].name
+    for cls in (AuthCommand, ServerCommand, NameCommand, PingCommand, ErrorCommand,
+                ClearUserSyncCommand, RemoteServerUpCommand)
+}
+
+
+def parse_line(line: str | bytes, *, decode_rows: bool = True) -> AnyCommand:
     """Parse one line (without its newline) into a command.
 
     Args:
         line: the line, as text or as UTF-8 bytes.
+        decode_rows: False leaves an RDATA row's JSON undecoded until its
+            ``row`` is read (then checked as strictly, raising
+            :class:`~synflow.errors.RemoteProtocolError`), so that a relay
+            forwards rows it never reads without decoding them. Everything
+            else on the line is checked either way.
 
     Returns:
         The command value.
@@ -596,11 +779,21 @@ def parse_line(line: str | bytes) -> AnyCommand:
     if "\n" in text:
         raise RemoteProtocolError("line contains an embedded newline")
     name, _, args = text.partition(" ")
+    cmd: AnyCommand
+    if name == "RDATA":  # the bulk of the traffic
+        return _parse_rdata(args, decode_rows, raw)
+    if name == "POSITION":
+        return _parse_position(args, raw)
     if not name:
         raise RemoteProtocolError("empty line" if not text else "line starts with a space")
     cls = COMMANDS.get(name)
     if cls is None:
         raise RemoteProtocolError(f"unknown command {name[:64]!r}")
+    field = _TEXT_FIELD.get(cls)
+    if field is not None:
+        cmd = _new(cls)
+        _set(cmd, field, args)  # any text without a newline: checked above
+        return cmd
     try:
         cmd = cls.from_args(args)
     except RemoteProtocolError:
@@ -608,8 +801,6 @@ def parse_line(line: str | bytes) -> AnyCommand:
     except LocalProtocolError as e:
         # A field validator refused a parsed value: from the peer, that is remote.
         raise RemoteProtocolError(str(e)) from None
-    if raw is not None and cls in _WIRE_CACHED:
-        _set(cmd, "wire", raw)  # a relay sends these bytes on unchanged
     return cmd
 
 
@@ -645,14 +836,28 @@ def encode_line_bytes(cmd: AnyCommand) -> bytes:
         LocalProtocolError: as :func:`encode_line`, or if the text cannot be
             encoded as UTF-8 (a lone surrogate in a free-text field).
     """
-    wire = getattr(cmd, "wire", None)
-    if wire is not None:
-        return wire
-    line = encode_line(cmd)
+    kind = type(cmd)
+    if kind is RdataCommand:
+        cmd = cast(RdataCommand, cmd)
+        if cmd.wire is not None:
+            return cmd.wire
+        token = cmd.token
+        # Neither word holds a newline (checked when built) nor does compact JSON.
+        line = (f"RDATA {cmd.stream_name} {cmd.instance_name} {BATCH_TOKEN if token is None else token} "
+                f"{encode_json(cmd.row)}")
+        if len(line) > MAX_LINE_LENGTH // 4 and _utf8_len(line) > MAX_LINE_LENGTH:
+            line = encode_line(cmd)  # raises with the size
+    elif kind is PositionCommand:
+        cmd = cast(PositionCommand, cmd)
+        if cmd.wire is not None:
+            return cmd.wire
+        line = encode_line(cmd)
+    else:
+        line = encode_line(cmd)
     try:
         data = line.encode("utf-8")
     except UnicodeEncodeError as e:
         raise LocalProtocolError(f"{cmd.NAME} line is not encodable as UTF-8: {e.reason}") from None
-    if type(cmd) in _WIRE_CACHED:
+    if kind in _WIRE_CACHED:
         _set(cmd, "wire", data)  # sent to several connections: encoded once
     return data

@@ -305,7 +305,10 @@ class ConnectionCore:
             return []
         self.last_received = now
         try:
-            cmd = parse_line(line)
+            # Rows stay undecoded until the handler reads them: a hub relays
+            # the bytes of rows it never reads, and a row that turns out bad is
+            # dropped by the reader that reads it (see RdataCommand.row).
+            cmd = parse_line(line, decode_rows=False)
         except ProtocolError as e:
             if self.side is Side.BOTH:
                 # A shared bus has no connection to close: report and go on.

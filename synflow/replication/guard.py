@@ -90,7 +90,11 @@ class PositionGuard:
             claim = cmd.token
         else:
             claim = max(cmd.prev_token, cmd.new_token)
-        return self.check(cmd.stream_name, cmd.instance_name, claim, f"{cmd.NAME} {cmd.to_args()[:120]}")
+        if claim <= self._allocated.get(cmd.stream_name, 0):
+            return True  # the common case, settled before describing the command for a log
+        # The line as received (a row may not have been decoded, and may not decode).
+        what = cmd.wire.decode("utf-8", "replace") if cmd.wire is not None else f"{cmd.NAME} {cmd.to_args()}"
+        return self.check(cmd.stream_name, cmd.instance_name, claim, what[:128])
 
     def check(self, stream: str, instance: str, claim: int, what: str) -> bool | Deferred[bool]:
         """Whether writer ``instance`` may be at ``claim`` on ``stream``.

@@ -445,6 +445,20 @@ class ThroughTheHubTest(SynchronousTestCase):
         self.assertEqual(self.applied, [("w1", 2, ["$e20:hs"]), ("w1", 3, ["$e30:hs"])])
         self.assertEqual(self.reader.position("events", "w1"), 3)
 
+    def test_malformed_row_relayed_through_the_hub_is_dropped_by_the_reader(self):
+        """A row whose JSON is malformed passes the hub (which does not decode rows); the reader drops it with
+        a warning naming the problem, keeps its connection, and applies the writer's next rows."""
+        self.pumps["w1"].client_transport.write(b'RDATA events w1 2 ["$e:hs", oops]\n')
+        with self.assertLogs("synflow.replication.handler", "WARNING") as logs:
+            self._flush()
+        self.assertEqual(self.reader.stats.bad_rows, 1)
+        self.assertIn("dropping bad events row from w1: bad JSON", "\n".join(logs.output))
+        self.assertFalse(any(p.closed for p in self.pumps.values()))
+        self.assertEqual(self.applied, [])
+        self._commit([1, 1])
+        self._flush()
+        self.assertEqual(self.applied, [("w1", 2, ["$e20:hs"]), ("w1", 3, ["$e30:hs"])])
+
     def test_batch_duplicate_disconnect_and_catch_up(self):
         """A batch applies whole, a duplicate is dropped, and after a reconnect a 250-fact gap is paged in, once each, in order."""
         (batch_id,) = self._commit([3])

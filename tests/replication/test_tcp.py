@@ -21,6 +21,7 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 from synflow.app.build import build_service
 from synflow.backoff import Backoff
 from synflow.config import load_config
+from synflow.replication import commands
 from synflow.replication.client import ReplicationClientService
 from synflow.replication.commands import (
     COMMANDS,
@@ -83,6 +84,31 @@ class HubRelayListTest(SynchronousTestCase):
             if cls is not AuthCommand:  # a hub without a secret accepts and drops AUTH
                 self.assertEqual(handler.received(), [parse_line(sample)], f"{name} not handled by the master")
         self.assertEqual(relayed, HUB_RELAYS)
+
+    def test_hub_relays_rows_without_decoding_their_json(self):
+        """The hub forwards an RDATA's bytes without decoding its row: JSON is never decoded, and a row that
+        is not JSON at all is relayed too (only the reader, which reads rows, can refuse it)."""
+        decoded = []
+        real_decode = commands.decode_json
+
+        def counting_decode(text):
+            decoded.append(text)
+            return real_decode(text)
+
+        self.patch(commands, "decode_json", counting_decode)
+        hub, handler, ((a, a_transport), (b, b_transport)) = self._hub()
+        lines = [b'RDATA events w1 5 ["$e:hs", "!r:hs",  "m.room.message",null,"@u:hs",null]',
+                 b'RDATA events w1 6 ["$e:hs", not json at all',
+                 b"RDATA caches w1 batch {}"]
+        b.dataReceived(b"".join(line + b"\n" for line in lines))
+        self.assertEqual(a_transport.value(), b"".join(line + b"\n" for line in lines))
+        self.assertFalse(b_transport.disconnecting)
+        self.assertEqual(decoded, [], "the hub decoded a row it only relays")
+        self.assertEqual(hub.relayed, 3)
+        # The header is still checked: a bad token closes the sender, and nothing is relayed.
+        b.dataReceived(b'RDATA events w1 x7 ["$e:hs"]\n')
+        self.assertTrue(b_transport.disconnecting)
+        self.assertEqual(a_transport.value(), b"".join(line + b"\n" for line in lines))
 
     def test_protocol_doc_lists_the_relayed_commands(self):
         """The command table of docs/protocol.md marks exactly the commands the hub relays."""
