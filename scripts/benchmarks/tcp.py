@@ -31,6 +31,10 @@ TARGETS = [
     {"row": "tcp.1", "field": "value", "op": ">=", "threshold": 100_000,
      "label": "≥ 100k RDATA/s end to end, 1 reader"},
     {"row": "tcp.1", "field": "ratio", "op": ">=", "threshold": 0.5, "label": "≥ 0.5 of raw LineOnlyReceiver"},
+    {"row": "tcp.1", "field": "ratio", "op": ">=", "threshold": 0.35,
+     "label": "≥ 0.35 of raw LineOnlyReceiver (the hub relays rows without decoding them)"},
+    {"row": "tcp.cpu1", "field": "value", "op": "<=", "threshold": 12,
+     "label": "≤ 12 µs of CPU per RDATA, writer + hub + 1 reader"},
 ]
 
 

@@ -110,6 +110,16 @@ class HubRelayListTest(SynchronousTestCase):
         self.assertTrue(b_transport.disconnecting)
         self.assertEqual(a_transport.value(), b"".join(line + b"\n" for line in lines))
 
+    def test_lines_relayed_from_one_read_go_out_in_one_write(self):
+        """The lines relayed from one read reach each other connection in one write, before the read returns."""
+        hub, handler, ((a, a_transport), (b, b_transport)) = self._hub()
+        writes = []
+        real_write = a_transport.write
+        self.patch(a_transport, "write", lambda data: (writes.append(data), real_write(data)))
+        lines = b"".join(b"POSITION events w1 %d %d\n" % (i, i + 1) for i in range(5))
+        b.dataReceived(lines)
+        self.assertEqual(writes, [lines])
+
     def test_protocol_doc_lists_the_relayed_commands(self):
         """The command table of docs/protocol.md marks exactly the commands the hub relays."""
         with open(PROTOCOL_DOC, encoding="utf-8") as f:
