@@ -527,6 +527,38 @@ class SqliteDatabaseTests(DatabaseTestsMixin, TestCase):
 
         self.assertEqual(await db.run_interaction("synchronous", synchronous_txn), 1)
 
+    async def test_read_only_runs_on_the_reactor_thread(self) -> None:
+        """On a SQLite file a read-only interaction runs on the reactor thread, sees committed writes and fires at once."""
+        db = await self.make_db()
+        await db.run_interaction("insert", insert_item_txn, 1, "one")
+        where: list[bool] = []
+
+        def read_txn(txn: Txn) -> list[tuple[Any, ...]]:
+            where.append(threadable.isInIOThread())
+            return select_items_txn(txn)
+
+        d = db.run_interaction("read", read_txn, read_only=True)
+        self.assertTrue(d.called)
+        self.assertEqual(await d, [(1, "one")])
+        self.assertEqual(where, [True])
+        await db.run_interaction("insert", insert_item_txn, 2, "two")
+        self.assertEqual(await db.run_interaction("read", read_txn, read_only=True), [(1, "one"), (2, "two")])
+
+    async def test_read_only_meeting_a_lock_runs_on_the_pool(self) -> None:
+        """A read-only interaction that meets a lock on the reactor thread is run again on a pool thread."""
+        db = await self.make_db()
+        await db.run_interaction("insert", insert_item_txn, 1, "one")
+        where: list[bool] = []
+
+        def read_txn(txn: Txn) -> list[tuple[Any, ...]]:
+            where.append(threadable.isInIOThread())
+            if len(where) == 1:
+                raise sqlite3.OperationalError("database is locked")
+            return select_items_txn(txn)
+
+        self.assertEqual(await db.run_interaction("read", read_txn, read_only=True), [(1, "one")])
+        self.assertEqual(where, [True, False])
+
     async def test_memory_database_with_one_connection(self) -> None:
         """An in-memory SQLite database works with its single connection."""
         db = Database(reactor, DatabaseConfig(path=":memory:"))
