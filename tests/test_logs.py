@@ -23,6 +23,36 @@ class TextObserverTest(SynchronousTestCase):
         self.assertEqual(ours.getvalue(), theirs.getvalue())
         self.assertEqual(len(ours.getvalue().splitlines()), 5)
 
+    def test_preformatted_lines_match_twistd(self):
+        """Events the stdlib bridge emits (text already formatted) give twistd's lines, newlines and braces too."""
+        ours, theirs = io.StringIO(), io.StringIO()
+        mine, reference = logs.text_observer(ours), textFileLogObserver(theirs)
+        for msg, level in (("GET /sync 200 3.1ms @u:hs", LogLevel.info), ("two\nlines {x}", LogLevel.warn),
+                           ("no level", None)):
+            event = {"log_format": logs.PREFORMATTED, "msg": msg, "log_namespace": "synflow.access",
+                     "log_level": level, "log_time": 1_800_000_000.5}
+            mine(dict(event))
+            reference(dict(event))
+        self.assertEqual(ours.getvalue(), theirs.getvalue())
+
+    def test_stdlib_records_reach_the_text_log(self):
+        """A stdlib record through the bridge is one classic line with its logger, level and formatted message."""
+        import logging
+
+        from twisted.logger import globalLogPublisher
+
+        from synflow.app.build import _StderrHandler
+
+        out = io.StringIO()
+        observer = logs.text_observer(out)
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler.emit(logging.LogRecord("synflow.access", logging.WARNING, "", 0, "%s {not a field} %d", ("GET", 5),
+                                       None))
+        self.assertTrue(out.getvalue().endswith(" [synflow.access#warn] GET {not a field} 5\n"), out.getvalue())
+
     def test_time_formatted_once_per_second(self):
         """Within one second the formatted time is reused; the next second formats again."""
         calls = []

@@ -12,6 +12,7 @@ from twisted.application.service import MultiService
 from twisted.logger import Logger, LogLevel
 
 from synflow.app.apps import SynflowProcess
+from synflow.app.logs import PREFORMATTED
 from synflow.config import SynflowConfig
 
 _LEVELS = {
@@ -27,13 +28,24 @@ class _StderrHandler(logging.Handler):
     ``[synflow.replication.handler#info] message``.
     """
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._loggers: dict[str, Logger] = {}
+
     def emit(self, record: logging.LogRecord) -> None:
+        # Formatted once, here; the observers write the text as it is (see logs.PREFORMATTED).
         try:
-            msg = self.format(record)
+            msg = self.format(record) if record.exc_info or record.exc_text or record.stack_info else record.getMessage()
         except Exception:  # pragma: no cover
             msg = record.getMessage()
-        level = _LEVELS.get(record.levelno, LogLevel.info)
-        Logger(namespace=record.name).emit(level, "{msg}", msg=msg)
+        logger = self._loggers.get(record.name)
+        if logger is None:
+            logger = self._loggers[record.name] = Logger(namespace=record.name)
+        # What Logger.emit builds, without its per-call checks (the level is always a valid one here).
+        logger.observer({
+            "msg": msg, "log_logger": logger, "log_level": _LEVELS.get(record.levelno, LogLevel.info),
+            "log_namespace": record.name, "log_source": None, "log_format": PREFORMATTED, "log_time": record.created,
+        })
 
 
 def setup_logging(config: SynflowConfig) -> None:

@@ -62,22 +62,43 @@ class JsonLogObserver:
     def __init__(self, out: IO[str] | LogFile, instance: str) -> None:
         self._out = out
         self._instance = instance
+        self._second: int | None = None  # the time's text to the second, computed once a second
+        self._second_text = ""
 
     def __call__(self, event: LogEvent) -> None:
         level = event.get("log_level")
+        when = event.get("log_time")
+        if when is None:
+            when = time.time()
+        second = int(when)
+        if second != self._second:
+            self._second, self._second_text = second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+        text = preformatted_text(event)
         record: dict[str, Any] = {
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(event.get("log_time", time.time())))
-                    + f".{int(event.get('log_time', 0) * 1000) % 1000:03d}Z",
+            "time": f"{self._second_text}.{int(when * 1000) % 1000:03d}Z",
             "level": _LEVEL_NAMES.get(level, "info") if level is not None else "info",
             "logger": _logger_name(event),
             "instance": self._instance,
-            "message": formatEvent(event),
+            "message": text if text is not None else formatEvent(event),
         }
         failure = event.get("log_failure")
         if failure is not None:
             record["failure"] = failure.getTraceback()
         self._out.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
         self._out.flush()
+
+
+#: The ``log_format`` of the events the stdlib bridge (``synflow.app.build``) emits: the text is already
+#: formatted, in the event's ``msg``, so the observers write it without running Twisted's format machinery.
+PREFORMATTED = "{msg}"
+
+
+def preformatted_text(event: LogEvent) -> str | None:
+    """The event's message if it arrived formatted (:data:`PREFORMATTED`, no failure), else None."""
+    msg = event.get("msg")
+    if type(msg) is str and event.get("log_format") == PREFORMATTED and "log_failure" not in event:
+        return msg
+    return None
 
 
 class _SecondCache:
@@ -100,7 +121,17 @@ class _SecondCache:
 def text_observer(out: IO[str] | LogFile) -> ILogObserver:
     """twistd's classic text lines (``TIME [namespace#level] message``), as ``textFileLogObserver`` writes them."""
     cached = _SecondCache()
-    return FileLogObserver(cast(IO[str], out), lambda event: formatEventAsClassicLogText(event, formatTime=cached))
+
+    def line(event: LogEvent) -> str | None:
+        text = preformatted_text(event)
+        if text is None or not text or "log_system" in event:
+            return formatEventAsClassicLogText(event, formatTime=cached)
+        # formatEventAsClassicLogText's line, without its generic formatting of the message.
+        level = event.get("log_level")
+        system = f"{event.get('log_namespace') or '-'}#{level.name if level is not None else '-'}"
+        return f"{cached(event.get('log_time'))} [{system}] {text.replace(chr(10), chr(10) + chr(9))}\n"
+
+    return FileLogObserver(cast(IO[str], out), line)
 
 
 def _logger_name(event: LogEvent) -> str:
