@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -313,6 +314,34 @@ class StatusStopRestartTest(SynchronousTestCase):
         for proc in self.procs:
             self.assertFalse(_exists(children[proc.name].pid), proc.name)  # stop waited for it (and reaped it)
             self.assertFalse(os.path.exists(proc.pid_file))
+
+    def test_stop_does_not_wait_for_a_daemon_nobody_reaps(self):
+        """A daemon that has exited but whose parent has not reaped it yet (a zombie) counts as stopped at once:
+        stop reports it stopped and exits 0 instead of waiting out its timeout and killing it."""
+        proc = self.procs[-1]
+        os.makedirs(os.path.dirname(proc.pid_file), exist_ok=True)
+        # The parent forks the "daemon" (marked as synflowctl marks it), writes its PID to the pidfile and then
+        # sleeps without ever reaping it, as a container's init may.
+        parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""\
+            import os, signal, time
+            pid = os.fork()
+            if pid == 0:
+                os.environ[{ctl.PIDFILE_ENV!r}] = {proc.pid_file!r}
+                os.execvpe("sleep", ["sleep", "120"], os.environ)
+            with open({proc.pid_file!r}, "w") as f:
+                f.write(str(pid))
+            time.sleep(120)
+            """)])
+        self.addCleanup(_reap, parent)
+        deadline = time.monotonic() + 10
+        while ctl.pid_of(proc) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertIsNotNone(ctl.pid_of(proc), "the stand-in daemon did not start")
+        self.patch(ctl, "STOP_TIMEOUT_S", 5.0)
+        out = io.StringIO()
+        self.assertEqual(ctl.stop([proc], out), 0, out.getvalue())
+        self.assertEqual(out.getvalue().split(), [proc.name, "stopped"])
+        self.assertIsNone(ctl.pid_of(proc))
 
     def stranger(self, proc: ctl.Proc) -> subprocess.Popen:
         """An unrelated live process (a ``sleep``, unmarked) whose PID sits in ``proc``'s pidfile, as after PID reuse."""

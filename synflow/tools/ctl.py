@@ -20,8 +20,10 @@ misspelt ``app``) is a configuration error naming the file. Each process runs as
 process's list, so ``--config workers/production.yaml`` switches the whole
 deployment to PostgreSQL and Redis. Processes are daemonized with their own
 pidfile and logfile (``pid_file``/``log_file``, by default under
-``<data_dir>/run`` and ``<data_dir>/log``), started migrating process (the master) first, each
-waited for until its ``/health`` answers 200, and stopped in reverse order.
+``<data_dir>/run`` and ``<data_dir>/log``). ``start`` starts the migrating
+process (the master) first and waits until its ``/health`` answers 200, then
+starts the others together and waits for each; ``stop`` signals every process
+but the master at once, waits for them to exit, then stops the master.
 Ports are checked across the processes too: two processes on one port is a
 configuration error naming the file and the key of the second.
 
@@ -68,6 +70,9 @@ from synflow.tools.prometheus import scrape_config
 
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
+#: How often ``start`` asks a starting process's ``/health`` and ``stop`` looks whether a process has exited.
+HEALTH_POLL_S = 0.1
+STOP_POLL_S = 0.05
 #: The environment variable that marks a started process as one deployment's instance (its pidfile).
 PIDFILE_ENV = "SYNFLOW_PIDFILE"
 #: Most bytes read from ``/proc/<pid>/cmdline`` or ``environ``.
@@ -222,13 +227,25 @@ def read_pidfile(proc: Proc) -> int | None:
 
 
 def _alive_pid(pid: int) -> bool:
+    """Whether ``pid`` is a running process (a zombie waiting to be reaped by another parent is not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    """Whether ``pid`` has exited and only waits for its parent (init, for a daemon) to reap it."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read(4096)
+    except OSError:
+        return False
+    # The state follows the command name, which is in parentheses and may hold spaces.
+    return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] in (b"Z", b"X")
 
 
 def _proc_words(pid: int, name: str) -> list[str] | None:
@@ -328,7 +345,11 @@ def twistd() -> str:
 
 
 def start(procs: list[Proc], out: Any = None) -> int:
-    """Start each process not running, in order, through twistd; wait until it is healthy.
+    """Start each process not running through twistd and wait until it is healthy.
+
+    The first process (the migrating one, the master) is started and waited
+    for alone; the others then start together, since each only needs the
+    master. Lines are printed in the deployment's order.
 
     Returns:
         0 if every process is up, else 1 (after printing the failing one's log tail).
@@ -340,74 +361,107 @@ def start(procs: list[Proc], out: Any = None) -> int:
         except ConfigError as e:
             out.write(f"  {proc.name:<22} FAILED to start: configuration error: {e}\n")
             return 1
-    for proc in procs:
-        running = pid_of(proc)
-        if running is not None:
-            out.write(f"  {proc.name:<22} already running (pid {running})\n")
-            continue
-        _drop_stale_pidfile(proc, out)
-        os.makedirs(os.path.dirname(proc.pid_file), exist_ok=True)
-        os.makedirs(os.path.dirname(proc.log_file), exist_ok=True)
-        cmd = [twistd(), "--pidfile", proc.pid_file, "--logfile", proc.log_file, "synflow"]
-        for f in proc.files:
-            cmd += ["--config", f]
-        env = dict(os.environ, **{PIDFILE_ENV: proc.pid_file})
-        result = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        if result.returncode != 0:
-            out.write(f"  {proc.name:<22} FAILED to start:\n{result.stderr or result.stdout}\n")
+    for group in (procs[:1], procs[1:]):
+        launched: list[tuple[Proc, subprocess.Popen[str]]] = []
+        for proc in group:
+            running = pid_of(proc)
+            if running is not None:
+                out.write(f"  {proc.name:<22} already running (pid {running})\n")
+                continue
+            launched.append((proc, _launch(proc, out)))
+        failed = False
+        for proc, child in launched:
+            stdout, stderr = child.communicate()
+            if child.returncode != 0:
+                out.write(f"  {proc.name:<22} FAILED to start:\n{stderr or stdout}\n")
+                failed = True
+        if failed:
             return 1
-        out.write(f"  {proc.name:<22} starting ")
-        out.flush()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        state = "down"
-        while time.monotonic() < deadline:
-            if pid_of(proc) is None and time.monotonic() > deadline - START_TIMEOUT_S + 2:
-                break
-            state, _ = health(proc)
-            if state == "healthy":
-                break
-            out.write(".")
-            out.flush()
-            time.sleep(0.5)
-        if state != "healthy":
-            out.write(f" {state}\n{_tail(proc.log_file)}\n")
-            return 1
-        out.write(f" healthy (pid {pid_of(proc)})\n")
+        for proc, _ in launched:
+            if not _wait_healthy(proc, out):
+                return 1
     return 0
 
 
+def _launch(proc: Proc, out: Any) -> subprocess.Popen[str]:
+    """Run ``twistd`` for ``proc``; it daemonizes, and its parent exits once the daemon is forked."""
+    _drop_stale_pidfile(proc, out)
+    os.makedirs(os.path.dirname(proc.pid_file), exist_ok=True)
+    os.makedirs(os.path.dirname(proc.log_file), exist_ok=True)
+    cmd = [twistd(), "--pidfile", proc.pid_file, "--logfile", proc.log_file, "synflow"]
+    for f in proc.files:
+        cmd += ["--config", f]
+    env = dict(os.environ, **{PIDFILE_ENV: proc.pid_file})
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _wait_healthy(proc: Proc, out: Any) -> bool:
+    """Poll ``proc``'s ``/health`` until it answers 200; print the outcome (and the log tail on failure)."""
+    out.write(f"  {proc.name:<22} starting ")
+    out.flush()
+    started = time.monotonic()
+    deadline = started + START_TIMEOUT_S
+    state = "down"
+    dots = started
+    while time.monotonic() < deadline:
+        if pid_of(proc) is None and time.monotonic() > started + 2:
+            break
+        state, _ = health(proc)
+        if state == "healthy":
+            break
+        if time.monotonic() - dots >= 0.5:
+            out.write(".")
+            out.flush()
+            dots = time.monotonic()
+        time.sleep(HEALTH_POLL_S)
+    if state != "healthy":
+        out.write(f" {state}\n{_tail(proc.log_file)}\n")
+        return False
+    out.write(f" healthy (pid {pid_of(proc)})\n")
+    return True
+
+
 def stop(procs: list[Proc], out: Any = None) -> int:
-    """SIGTERM each running process in reverse order and wait for it to exit (SIGKILL after a timeout).
+    """SIGTERM the running processes and wait for them to exit (SIGKILL after a timeout).
+
+    Every process but the first (the master) is signalled at once; the master
+    is stopped last, after they have exited. Lines are printed in reverse
+    start order.
 
     Returns:
         0, or 1 if a process had to be killed.
     """
     out = out if out is not None else sys.stdout
     code = 0
-    for proc in reversed(procs):
-        pid = pid_of(proc)
-        if pid is None:
-            if stale_pid(proc) is not None:
-                _drop_stale_pidfile(proc, out)
-            else:
-                out.write(f"  {proc.name:<22} not running\n")
-            continue
-        os.kill(pid, signal.SIGTERM)
+    for group in (list(reversed(procs[1:])), procs[:1]):
+        signalled: list[tuple[Proc, int]] = []
+        for proc in group:
+            pid = pid_of(proc)
+            if pid is None:
+                if stale_pid(proc) is not None:
+                    _drop_stale_pidfile(proc, out)
+                else:
+                    out.write(f"  {proc.name:<22} not running\n")
+                continue
+            os.kill(pid, signal.SIGTERM)
+            signalled.append((proc, pid))
         deadline = time.monotonic() + STOP_TIMEOUT_S
-        while time.monotonic() < deadline and _alive(pid):
-            time.sleep(0.2)
-        if _alive(pid):
-            out.write(f"  {proc.name:<22} did not stop in {STOP_TIMEOUT_S:.0f}s; killing pid {pid}\n")
-            os.kill(pid, signal.SIGKILL)
-            code = 1
-        else:
-            out.write(f"  {proc.name:<22} stopped\n")
-        if os.path.exists(proc.pid_file):
-            os.unlink(proc.pid_file)
+        for proc, pid in signalled:
+            while time.monotonic() < deadline and _alive(pid):
+                time.sleep(STOP_POLL_S)
+            if _alive(pid):
+                out.write(f"  {proc.name:<22} did not stop in {STOP_TIMEOUT_S:.0f}s; killing pid {pid}\n")
+                os.kill(pid, signal.SIGKILL)
+                code = 1
+            else:
+                out.write(f"  {proc.name:<22} stopped\n")
+            if os.path.exists(proc.pid_file):
+                os.unlink(proc.pid_file)
     return code
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs; reaps it if it is our child, and a zombie another parent has yet to reap is gone."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -416,7 +470,7 @@ def _alive(pid: int) -> bool:
         waited, _ = os.waitpid(pid, os.WNOHANG)
         return waited == 0
     except ChildProcessError:
-        return True
+        return not _zombie(pid)
 
 
 STATUS_HEADER = ("instance", "app", "pid", "health", "metrics", "positions")
