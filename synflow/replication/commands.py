@@ -32,7 +32,7 @@ import json.encoder
 import json.scanner
 import math
 import re
-from typing import Any, ClassVar, Final, Protocol, TypeAlias, cast
+from typing import Any, ClassVar, Final, Protocol, TypeAlias
 
 import attrs
 
@@ -139,6 +139,25 @@ _new = object.__new__
 _set = object.__setattr__
 
 
+def _slot_setters(cls: type, *names: str) -> tuple[Any, ...]:
+    """The ``__set__`` of each named slot of a frozen, slotted attrs class.
+
+    They store a field past the class's frozen ``__setattr__``, as
+    ``object.__setattr__(obj, name, value)`` does -- which looks the name up
+    on the type and then calls this same descriptor, at about twice the cost.
+    Commands built once per row (parsed, or built to be sent) store their
+    fields through these; the class stays frozen to everyone else.
+    """
+    return tuple(cls.__dict__[name].__set__ for name in names)
+
+
+def _store_and_validate(cmd: Any, **fields: Any) -> None:
+    """Store ``fields`` and run the class's validators (the slow path of a fast ``__init__``)."""
+    for name, value in fields.items():
+        _set(cmd, name, value)
+    attrs.validate(cmd)
+
+
 def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
@@ -217,6 +236,14 @@ def decode_json(text: str) -> Any:
 
 def _decode_row(row_json: str) -> list[Any]:
     """An RDATA row from its JSON text: a JSON array, or RemoteProtocolError."""
+    if _scan_json is not None:  # decode_json's fast path, inlined: once per row read
+        try:
+            row, end = _scan_json(row_json, 0)
+        except (StopIteration, ValueError, RecursionError):
+            pass  # settled by decode_json, with the decoder's own message
+        else:
+            if end == len(row_json) and type(row) is list:
+                return row
     row = decode_json(row_json)
     if type(row) is not list:
         raise RemoteProtocolError(f"RDATA row must be a JSON array, got {row_json[:80]!r}")
@@ -415,19 +442,16 @@ class PositionCommand:
             type(stream_name) is str and stream_name and " " not in stream_name and "\n" not in stream_name
             and type(instance_name) is str and instance_name and " " not in instance_name
             and "\n" not in instance_name
-            and type(prev_token) is int and _INT64_MIN <= prev_token <= _INT64_MAX
-            and type(new_token) is int and _INT64_MIN <= new_token <= _INT64_MAX
+            and type(prev_token) is int and -0x8000000000000000 <= prev_token <= 0x7FFFFFFFFFFFFFFF
+            and type(new_token) is int and -0x8000000000000000 <= new_token <= 0x7FFFFFFFFFFFFFFF
         ):
-            _set(self, "stream_name", stream_name)
-            _set(self, "instance_name", instance_name)
-            _set(self, "prev_token", prev_token)
-            _set(self, "new_token", new_token)
-            attrs.validate(self)  # raises, naming the field
-        _set(self, "stream_name", stream_name)
-        _set(self, "instance_name", instance_name)
-        _set(self, "prev_token", prev_token)
-        _set(self, "new_token", new_token)
-        _set(self, "wire", None)
+            _store_and_validate(self, stream_name=stream_name, instance_name=instance_name,
+                                prev_token=prev_token, new_token=new_token)  # raises, naming the field
+        _position_stream(self, stream_name)
+        _position_instance(self, instance_name)
+        _position_prev(self, prev_token)
+        _position_new(self, new_token)
+        _position_wire(self, None)
 
     @classmethod
     def from_args(cls, args: str) -> PositionCommand:
@@ -438,31 +462,37 @@ class PositionCommand:
 
 
 def _parse_position(args: str, wire: bytes | None) -> PositionCommand:
-    """POSITION's arguments; every field is checked here (no validators re-run)."""
+    """POSITION's arguments."""
     parts = args.split(" ")
     if len(parts) == 4:
-        stream, instance, prev, new = parts
-        if (stream and instance and 0 < len(prev) < 19 and 0 < len(new) < 19 and prev.isdigit()
-                and new.isdigit() and prev.isascii() and new.isascii()):
-            prev_token, new_token = int(prev), int(new)  # the common case: small tokens, in range
-        else:
-            prev_token = _parse_int(prev, "POSITION prev_token")
-            new_token = _parse_int(new, "POSITION new_token")
-            _parse_word(stream, "POSITION stream name")
-            _parse_word(instance, "POSITION instance name")
-    else:  # the message names the problem: a count, or an integer that swallowed a space
-        stream, instance, prev, new = _split(args, 4, "POSITION", "<stream> <instance> <prev_token> <new_token>")
+        return _position_from_fields(parts[0], parts[1], parts[2], parts[3], wire)
+    # the message names the problem: a count, or an integer that swallowed a space
+    stream, instance, prev, new = _split(args, 4, "POSITION", "<stream> <instance> <prev_token> <new_token>")
+    return _position_from_fields(stream, instance, prev, new, wire)
+
+
+def _position_from_fields(stream: str, instance: str, prev: str, new: str, wire: bytes | None) -> PositionCommand:
+    """A POSITION from its four argument words; every field is checked here (no validators re-run)."""
+    if (stream and instance and prev.isdigit() and new.isdigit() and len(prev) < 19 and len(new) < 19
+            and prev.isascii() and new.isascii()):
+        prev_token, new_token = int(prev), int(new)  # the common case: small tokens, in range
+    else:
         prev_token = _parse_int(prev, "POSITION prev_token")
         new_token = _parse_int(new, "POSITION new_token")
         _parse_word(stream, "POSITION stream name")
         _parse_word(instance, "POSITION instance name")
     cmd = _new(PositionCommand)
-    _set(cmd, "stream_name", stream)
-    _set(cmd, "instance_name", instance)
-    _set(cmd, "prev_token", prev_token)
-    _set(cmd, "new_token", new_token)
-    _set(cmd, "wire", wire)
+    _position_stream(cmd, stream)
+    _position_instance(cmd, instance)
+    _position_prev(cmd, prev_token)
+    _position_new(cmd, new_token)
+    _position_wire(cmd, wire)
     return cmd
+
+
+_position_stream, _position_instance, _position_prev, _position_new, _position_wire = _slot_setters(
+    PositionCommand, "stream_name", "instance_name", "prev_token", "new_token", "wire"
+)
 
 
 def _check_token(instance: object, attribute: attrs.Attribute, value: int | None) -> None:
@@ -510,21 +540,18 @@ class RdataCommand:
             type(stream_name) is str and stream_name and " " not in stream_name and "\n" not in stream_name
             and type(instance_name) is str and instance_name and " " not in instance_name
             and "\n" not in instance_name
-            and (token is None or (type(token) is int and _INT64_MIN <= token <= _INT64_MAX))
+            and (token is None or (type(token) is int and -0x8000000000000000 <= token <= 0x7FFFFFFFFFFFFFFF))
             and isinstance(row, list)
         ):
-            _set(self, "stream_name", stream_name)
-            _set(self, "instance_name", instance_name)
-            _set(self, "token", token)
-            _set(self, "_row", row if isinstance(row, list) else [])
-            attrs.validate(self)  # raises, naming the field
+            _store_and_validate(self, stream_name=stream_name, instance_name=instance_name, token=token,
+                                _row=row if isinstance(row, list) else [])  # raises, naming the field
             if not isinstance(row, list):
                 raise LocalProtocolError(f"RDATA row must be a list (a JSON array), got {row!r}")
-        _set(self, "stream_name", stream_name)
-        _set(self, "instance_name", instance_name)
-        _set(self, "token", token)
-        _set(self, "_row", row)
-        _set(self, "wire", None)
+        _rdata_stream(self, stream_name)
+        _rdata_instance(self, instance_name)
+        _rdata_token(self, token)
+        _rdata_row(self, row)
+        _rdata_wire(self, None)
 
     @property
     def row(self) -> list[Any]:
@@ -536,7 +563,7 @@ class RdataCommand:
         row = self._row
         if type(row) is str:
             row = _decode_row(row)
-            _set(self, "_row", row)
+            _rdata_row(self, row)
         return row  # type: ignore[return-value]
 
     @property
@@ -576,30 +603,41 @@ class RdataCommand:
 
 
 def _parse_rdata(args: str, decode_rows: bool, wire: bytes | None) -> RdataCommand:
-    """RDATA's arguments; every field is checked here (no validators re-run)."""
+    """RDATA's arguments."""
     parts = args.split(" ", 3)
     if len(parts) != 4:
         raise RemoteProtocolError(
             f"RDATA needs 4 arguments (<stream> <instance> <token> <row_json>), got {len(parts)}: {args!r}"
         )
-    stream, instance, token, row_json = parts
+    return _rdata_from_fields(parts[0], parts[1], parts[2], parts[3], decode_rows, wire)
+
+
+def _rdata_from_fields(stream: str, instance: str, token: str, row_json: str, decode_rows: bool,
+                       wire: bytes | None) -> RdataCommand:
+    """An RDATA from its four argument words; every field is checked here (no validators re-run)."""
     if not stream:
         raise RemoteProtocolError("RDATA stream name is empty")
     if not instance:
         raise RemoteProtocolError("RDATA instance name is empty")
-    if token == BATCH_TOKEN:
-        number: int | None = None
-    elif 0 < len(token) < 19 and token.isdigit() and token.isascii():
+    number: int | None
+    if token.isdigit() and len(token) < 19 and token.isascii():
         number = int(token)  # the common case: a small non-negative token, always in range
+    elif token == BATCH_TOKEN:
+        number = None
     else:
         number = _parse_int(token, "RDATA token")
     cmd = _new(RdataCommand)
-    _set(cmd, "stream_name", stream)
-    _set(cmd, "instance_name", instance)
-    _set(cmd, "token", number)
-    _set(cmd, "_row", _decode_row(row_json) if decode_rows else row_json)
-    _set(cmd, "wire", wire)  # a relay sends the bytes received on unchanged
+    _rdata_stream(cmd, stream)
+    _rdata_instance(cmd, instance)
+    _rdata_token(cmd, number)
+    _rdata_row(cmd, _decode_row(row_json) if decode_rows else row_json)
+    _rdata_wire(cmd, wire)  # a relay sends the bytes received on unchanged
     return cmd
+
+
+_rdata_stream, _rdata_instance, _rdata_token, _rdata_row, _rdata_wire = _slot_setters(
+    RdataCommand, "stream_name", "instance_name", "token", "_row", "wire"
+)
 
 
 class SyncState(enum.Enum):
@@ -736,6 +774,10 @@ _TEXT_FIELD: Final[dict[type[AnyCommand], str]] = {
     for cls in (AuthCommand, ServerCommand, NameCommand, PingCommand, ErrorCommand,
                 ClearUserSyncCommand, RemoteServerUpCommand)
 }
+#: The slot setter of each of those fields (see :func:`_slot_setters`).
+_TEXT_FIELD_SETTER: Final[dict[type[AnyCommand], Any]] = {
+    cls: _slot_setters(cls, name)[0] for cls, name in _TEXT_FIELD.items()
+}
 
 
 def parse_line(line: str | bytes, *, decode_rows: bool = True) -> AnyCommand:
@@ -765,7 +807,7 @@ def parse_line(line: str | bytes, *, decode_rows: bool = True) -> AnyCommand:
                 f"line is {len(raw)} bytes, longer than the limit of {MAX_LINE_LENGTH}"
             )
         try:
-            text = raw.decode("utf-8")
+            text = raw.decode()  # UTF-8, strict
         except UnicodeDecodeError as e:
             raise RemoteProtocolError(f"line is not valid UTF-8: {e.reason} at byte {e.start}") from None
     elif isinstance(line, str):
@@ -778,9 +820,18 @@ def parse_line(line: str | bytes, *, decode_rows: bool = True) -> AnyCommand:
         raise RemoteProtocolError(f"a line must be str or bytes, got {type(line).__name__}")
     if "\n" in text:
         raise RemoteProtocolError("line contains an embedded newline")
-    name, _, args = text.partition(" ")
+    # One split serves RDATA and POSITION, the bulk of the traffic (each has
+    # four arguments; RDATA's last, the row, may hold spaces).
+    parts = text.split(" ", 4)
+    name = parts[0]
+    if len(parts) == 5:
+        if name == "RDATA":
+            return _rdata_from_fields(parts[1], parts[2], parts[3], parts[4], decode_rows, raw)
+        if name == "POSITION" and " " not in parts[4]:
+            return _position_from_fields(parts[1], parts[2], parts[3], parts[4], raw)
+    args = text[len(name) + 1:]
     cmd: AnyCommand
-    if name == "RDATA":  # the bulk of the traffic
+    if name == "RDATA":  # too few arguments: the message says so
         return _parse_rdata(args, decode_rows, raw)
     if name == "POSITION":
         return _parse_position(args, raw)
@@ -789,10 +840,10 @@ def parse_line(line: str | bytes, *, decode_rows: bool = True) -> AnyCommand:
     cls = COMMANDS.get(name)
     if cls is None:
         raise RemoteProtocolError(f"unknown command {name[:64]!r}")
-    field = _TEXT_FIELD.get(cls)
-    if field is not None:
+    store = _TEXT_FIELD_SETTER.get(cls)
+    if store is not None:
         cmd = _new(cls)
-        _set(cmd, field, args)  # any text without a newline: checked above
+        store(cmd, args)  # any text without a newline: checked above
         return cmd
     try:
         cmd = cls.from_args(args)
@@ -837,27 +888,57 @@ def encode_line_bytes(cmd: AnyCommand) -> bytes:
             encoded as UTF-8 (a lone surrogate in a free-text field).
     """
     kind = type(cmd)
+    c: Any = cmd  # the branches below narrow by exact type, which mypy does not follow
     if kind is RdataCommand:
-        cmd = cast(RdataCommand, cmd)
-        if cmd.wire is not None:
-            return cmd.wire
-        token = cmd.token
-        # Neither word holds a newline (checked when built) nor does compact JSON.
-        line = (f"RDATA {cmd.stream_name} {cmd.instance_name} {BATCH_TOKEN if token is None else token} "
-                f"{encode_json(cmd.row)}")
-        if len(line) > MAX_LINE_LENGTH // 4 and _utf8_len(line) > MAX_LINE_LENGTH:
-            line = encode_line(cmd)  # raises with the size
-    elif kind is PositionCommand:
-        cmd = cast(PositionCommand, cmd)
-        if cmd.wire is not None:
-            return cmd.wire
-        line = encode_line(cmd)
-    else:
-        line = encode_line(cmd)
+        data = c.wire
+        if data is None:
+            # Every field was checked when the command was built.
+            row = c._row
+            data = _rdata_line(c.stream_name, c.instance_name, c.token, c.row if type(row) is str else row)
+            _rdata_wire(c, data)  # sent to several connections: encoded once
+        return data
+    if kind is PositionCommand:
+        data = c.wire
+        if data is None:
+            line = f"POSITION {c.stream_name} {c.instance_name} {c.prev_token} {c.new_token}"
+            data = _utf8_line(line, "POSITION")
+            if len(data) > MAX_LINE_LENGTH:
+                encode_line(c)  # raises, with the size
+            _position_wire(c, data)
+        return data
+    field = _TEXT_FIELD.get(kind)
+    if field is not None:
+        # The field holds no newline (checked when the command was built).
+        data = _utf8_line(f"{c.NAME} {getattr(c, field)}", c.NAME)
+        if len(data) > MAX_LINE_LENGTH:
+            encode_line(c)  # raises, with the size
+        return data
+    return _utf8_line(encode_line(cmd), cmd.NAME)
+
+
+def _utf8_line(line: str, name: str) -> bytes:
     try:
-        data = line.encode("utf-8")
+        return line.encode()
     except UnicodeEncodeError as e:
-        raise LocalProtocolError(f"{cmd.NAME} line is not encodable as UTF-8: {e.reason}") from None
-    if kind in _WIRE_CACHED:
-        _set(cmd, "wire", data)  # sent to several connections: encoded once
+        raise LocalProtocolError(f"{name} line is not encodable as UTF-8: {e.reason}") from None
+
+
+def _rdata_line(stream_name: str, instance_name: str, token: int | None, row: list[Any]) -> bytes:
+    """The bytes of an RDATA line from fields already checked; LocalProtocolError if they cannot be sent."""
+    # Neither word holds a space or newline, nor does compact JSON hold a newline.
+    try:
+        if _encode_json_chunks is not None and type(row) is list:
+            data = (f"RDATA {stream_name} {instance_name} {BATCH_TOKEN if token is None else token} "
+                    f"{''.join(_encode_json_chunks(row, 0))}").encode()
+        else:
+            data = (f"RDATA {stream_name} {instance_name} {BATCH_TOKEN if token is None else token} "
+                    f"{_json_encoder.encode(row)}").encode()
+    except UnicodeEncodeError as e:  # before ValueError, its base: a lone surrogate in a word
+        raise LocalProtocolError(f"RDATA line is not encodable as UTF-8: {e.reason}") from None
+    except (TypeError, ValueError, RecursionError) as e:
+        raise LocalProtocolError(f"row is not encodable as JSON: {e}") from None
+    if len(data) > MAX_LINE_LENGTH:
+        raise LocalProtocolError(
+            f"RDATA line is {len(data)} bytes, longer than the limit of {MAX_LINE_LENGTH}; not sent"
+        )
     return data

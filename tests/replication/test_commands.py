@@ -171,6 +171,39 @@ class RoundTripTest(SynchronousTestCase):
             self.assertEqual(encode_line(cmd).rstrip(" "), sample)
 
 
+class FastConstructionTest(SynchronousTestCase):
+    """Commands parsed or built on the fast paths (fields stored through their slots) are ordinary values."""
+
+    @given(commands)
+    def test_fast_path_values_equal_validated_ones_and_stay_frozen(self, cmd):
+        """A parsed command equals the one its validating constructor builds from the same fields, and stays frozen."""
+        parsed = parse_line(encode_line_bytes(cmd))
+        rebuilt = attrs.evolve(parsed)  # through __init__ and every validator
+        attrs.validate(parsed)
+        attrs.validate(cmd)
+        self.assertEqual(parsed, rebuilt)
+        self.assertEqual(parsed, cmd)
+        self.assertIs(type(parsed), type(cmd))
+        for field in attrs.fields(type(parsed)):
+            with self.assertRaises(attrs.exceptions.FrozenInstanceError):
+                setattr(parsed, field.name, getattr(parsed, field.name))
+            with self.assertRaises(attrs.exceptions.FrozenInstanceError):
+                setattr(cmd, field.name, getattr(cmd, field.name))
+            with self.assertRaises(attrs.exceptions.FrozenInstanceError):
+                delattr(parsed, field.name)
+
+    def test_fast_constructors_refuse_what_validators_refuse(self):
+        """The inlined checks of RDATA and POSITION refuse exactly what their field validators refuse."""
+        for args in (("", "w1", 1), ("s s", "w1", 1), ("s", "w\n1", 1), ("s", "w1", 2**63), ("s", "w1", True),
+                     (b"s", "w1", 1), ("s", "w1", 1.0)):
+            with self.assertRaises(LocalProtocolError, msg=repr(args)):
+                PositionCommand(*args, 1)  # type: ignore[arg-type]
+            with self.assertRaises(LocalProtocolError, msg=repr(args)):
+                RdataCommand(*args, [])  # type: ignore[arg-type]
+        with self.assertRaises(LocalProtocolError):
+            RdataCommand("s", "w1", None, ("not", "a", "list"))  # type: ignore[arg-type]
+
+
 class GoldenLinesTest(SynchronousTestCase):
     EXPECTED = [
         AuthCommand("s3cret"),
