@@ -81,18 +81,29 @@ class State(enum.Enum):
     CLOSED = "closed"
 
 
-@attrs.frozen
+@attrs.frozen(init=False)
 class SendLine:
     """Write this line (UTF-8, without the newline) to the transport."""
 
     data: bytes
 
+    def __init__(self, data: bytes) -> None:
+        _set_send_line_data(self, data)  # one per line sent: stored through its slot, still frozen
 
-@attrs.frozen
+
+@attrs.frozen(init=False)
 class Deliver:
     """Hand this received command to the command handler."""
 
     command: AnyCommand
+
+    def __init__(self, command: AnyCommand) -> None:
+        _set_deliver_command(self, command)  # one per line received: stored through its slot, still frozen
+
+
+# The slots' own setters: object.__setattr__ finds and calls these, at twice the cost.
+_set_send_line_data = SendLine.__dict__["data"].__set__
+_set_deliver_command = Deliver.__dict__["command"].__set__
 
 
 @attrs.frozen
@@ -379,8 +390,12 @@ class ConnectionCore:
         if self.state is State.CLOSED:
             self.stats.dropped_closed += 1
             return []
-        if self.state is State.ESTABLISHED:
-            return self._send_now(cmd, now)
+        if self.state is State.ESTABLISHED:  # _send_now, inlined: once per line sent
+            data = encode_line_bytes(cmd)
+            self.last_sent = now
+            counts = self.stats.commands_out
+            counts[cmd.NAME] = counts.get(cmd.NAME, 0) + 1
+            return [SendLine(data)]
         return self._enqueue(cmd, now)
 
     def _send_now(self, cmd: AnyCommand, now: float) -> list[Action]:

@@ -76,7 +76,10 @@ class ReplicationHub:
         if isinstance(cmd, RELAYED_COMMANDS):
             for other in self.connections:
                 if other is not conn:
-                    self._send(other, cmd)
+                    try:  # _send, inlined: once per line per connection
+                        other.send_command(cmd)
+                    except Exception:
+                        logger.exception("failed to send %s to %s", cmd.NAME, other.peer_name)
                     self.relayed += 1
         if self.handler is not None:
             self.handler.on_command(conn, cmd)

@@ -28,6 +28,7 @@ from twisted.protocols.basic import LineOnlyReceiver
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from synflow.replication.batch import write_batch
 from synflow.replication.commands import MAX_LINE_LENGTH, AnyCommand, Side
 from synflow.replication.core import (
     Action,
@@ -49,32 +50,10 @@ TICK_INTERVAL_S = 1.0
 CLOSE_TIMEOUT_S = 15.0
 #: Lines flushed per step while draining the queue, so a pause stops the drain.
 _FLUSH_STEP = 64
-#: Bytes a connection gathers while lines are being received before writing
-#: them out anyway (the transport's own buffer then decides about pausing).
+#: Bytes a connection gathers while a write batch is open (``batch.py``)
+#: before writing them out anyway (the transport's own buffer then decides
+#: about pausing).
 _BATCH_BYTES = 64 * 1024
-
-
-class _WriteBatch:
-    """Lines sent while any replication connection handles received data, written when it returns.
-
-    A hub relays each line it reads to every other connection; one
-    ``transport.write`` per connection per read, rather than per line, is
-    most of the difference to a bare relay. Everything stays synchronous:
-    the lines are written before the outermost ``dataReceived`` returns.
-    """
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.pending: list[ReplicationProtocol] = []
-
-    def flush(self) -> None:
-        while self.pending:
-            pending, self.pending = self.pending, []
-            for proto in pending:
-                proto._flush_lines()
-
-
-_batch = _WriteBatch()
 
 
 @implementer(IPushProducer)
@@ -114,7 +93,7 @@ class ReplicationProtocol(LineOnlyReceiver):
         #: secret, only once the peer authenticated: before that it is not
         #: among the connections that streams are relayed to).
         self._announced = False
-        #: Lines gathered while a batch is open (see _WriteBatch), and their size.
+        #: Lines gathered while a write batch is open (see batch.py), and their size.
         self._lines: list[bytes] = []
         self._lines_bytes = 0
 
@@ -173,13 +152,8 @@ class ReplicationProtocol(LineOnlyReceiver):
             self._announce()
 
     def dataReceived(self, data: bytes) -> None:
-        _batch.depth += 1
-        try:
+        with write_batch:  # what handling these lines sends goes out in one write per connection
             super().dataReceived(data)
-        finally:
-            _batch.depth -= 1
-            if not _batch.depth:
-                _batch.flush()
 
     def lineReceived(self, line: bytes) -> None:
         self._run(self.core.line_received(line, self.clock.seconds()))
@@ -224,13 +198,19 @@ class ReplicationProtocol(LineOnlyReceiver):
 
     def _run(self, actions: list[Action]) -> None:
         for action in actions:
-            if type(action) is Deliver:
-                self._deliver(action.command)
-            elif type(action) is SendLine:
-                if _batch.depth:
-                    self._gather(action.data)
+            kind = type(action)
+            if kind is Deliver:
+                cmd = action.command  # type: ignore[union-attr]
+                try:
+                    self.receiver.on_command(self, cmd)
+                except Exception:
+                    # A handler bug must not take the connection (or the process) down.
+                    logger.exception("error handling %s from %s", cmd.NAME, self.peer_name)
+            elif kind is SendLine:
+                if write_batch.depth:
+                    self._gather(action.data)  # type: ignore[union-attr]
                 else:
-                    self.transport.write(action.data + b"\n")
+                    self.transport.write(action.data + b"\n")  # type: ignore[union-attr]
             elif isinstance(action, Authenticated):
                 self._announce()
             elif isinstance(action, HandshakeDone):
@@ -238,20 +218,21 @@ class ReplicationProtocol(LineOnlyReceiver):
                 for d in waiters:
                     d.callback(self)
             elif isinstance(action, Close):
-                self._flush_lines()  # what was sent before the close goes first
+                self.flush_gathered()  # what was sent before the close goes first
                 self.transport.loseConnection()
                 if self._abort_call is None:
                     self._abort_call = self.clock.callLater(self.close_timeout_s, self._abort)
 
     def _gather(self, data: bytes) -> None:
         if not self._lines:
-            _batch.pending.append(self)
+            write_batch.pending.append(self)
         self._lines.append(data)
         self._lines_bytes += len(data) + 1
         if self._lines_bytes >= _BATCH_BYTES:
-            self._flush_lines()  # a full socket buffer pauses us here, and the core queues
+            self.flush_gathered()  # a full socket buffer pauses us here, and the core queues
 
-    def _flush_lines(self) -> None:
+    def flush_gathered(self) -> None:
+        """Write the lines gathered while the write batch was open, in one ``transport.write``."""
         if self._lines:
             lines, self._lines = self._lines, []
             self._lines_bytes = 0
@@ -262,13 +243,6 @@ class ReplicationProtocol(LineOnlyReceiver):
         if not self._announced:
             self._announced = True
             self.receiver.new_connection(self)
-
-    def _deliver(self, cmd: AnyCommand) -> None:
-        try:
-            self.receiver.on_command(self, cmd)
-        except Exception:
-            # A handler bug must not take the connection (or the process) down.
-            logger.exception("error handling %s from %s", cmd.NAME, self.peer_name)
 
     def _schedule_tick(self) -> None:
         self._tick_call = self.clock.callLater(self.tick_interval_s, self._tick)

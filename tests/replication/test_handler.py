@@ -15,12 +15,13 @@ from synflow.replication.commands import (
     RdataCommand,
     ReplicateCommand,
     Side,
+    encode_line_bytes,
 )
 from synflow.replication.handler import ReplicationHandler
 from synflow.replication.hub import ReplicationHub
 from synflow.storage.id_generators import FactPayload, MultiWriterIdGenerator
 from synflow.streams import CACHES, EVENTS, EventsRow
-from synflow.testing import Pump, make_protocol
+from synflow.testing import Pump, attach, make_protocol
 
 
 def ev(n: int, room: str = "!r:hs") -> EventsRow:
@@ -306,6 +307,21 @@ class WritingTest(SynchronousTestCase):
         handler, gen, sent = self._writer()
         self._write(gen, [2], rows_per_id=3)()
         self.assertEqual([c.token for c in sent.sent], [None, None, 2])
+
+    def test_announcement_goes_out_in_one_write(self):
+        """The RDATA and POSITION lines of one announcement reach a TCP connection in one write, in order."""
+        handler, gen, _ = self._writer()
+        proto = make_protocol(Side.SERVER, ReplicationHub(), Clock())
+        transport = attach(proto)
+        transport.clear()
+        handler.set_transport(proto)
+        writes = []
+        real_write = transport.write
+        self.patch(transport, "write", lambda data: (writes.append(data), real_write(data)))
+        self._write(gen, [2, 3], rows_per_id=2)()
+        expected = [RdataCommand("events", "w1", token, ev(i * 10 + k).to_wire())
+                    for i in (2, 3) for k, token in ((0, None), (1, i))]
+        self.assertEqual(writes, [b"".join(encode_line_bytes(c) + b"\n" for c in expected)])
 
     def test_rollback_becomes_position(self):
         """A rolled-back ID sends no RDATA; the position still moves with a POSITION."""
