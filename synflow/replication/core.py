@@ -328,7 +328,8 @@ class ConnectionCore:
                 return []
             logger.warning("closing %s: failed to parse line: %s", self._describe(), e)
             return self.close(f"failed to parse line: {e}", now)
-        if type(cmd) not in self._peer_may_send:
+        kind = type(cmd)
+        if kind not in self._peer_may_send:
             peer = self.side.peer
             logger.warning("closing %s: %s may not be sent by a %s", self._describe(), cmd.NAME, peer.word)
             return self.close(f"invalid command from {peer.word}: {cmd.NAME}", now)
@@ -342,11 +343,12 @@ class ConnectionCore:
                 return self.close("authentication failed", now)
             self.authenticated = True
             return [Authenticated()]
-        if isinstance(cmd, AuthCommand):
+        if kind is AuthCommand:
             return []  # a hub without a secret ignores AUTH
         counts = self.stats.commands_in
-        counts[cmd.NAME] = counts.get(cmd.NAME, 0) + 1
-        if type(cmd) in _STREAM_COMMANDS:
+        name = kind.NAME
+        counts[name] = counts.get(name, 0) + 1
+        if kind in _STREAM_COMMANDS:
             return [Deliver(cmd)]  # the bulk of the traffic: nothing for the connection itself to do
         actions: list[Action] = []
         if isinstance(cmd, PingCommand):
