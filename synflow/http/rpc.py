@@ -37,23 +37,19 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
-from io import BytesIO
 from typing import Any
 
 from twisted.internet.defer import CancelledError, Deferred
-from twisted.internet.endpoints import TCP4ClientEndpoint
 from twisted.internet.error import ConnectError, ConnectingCancelledError, TimeoutError
 from twisted.internet.interfaces import IReactorTime
-from twisted.web.client import Agent, FileBodyProducer, HTTPConnectionPool, ResponseFailed, readBody
-from twisted.web.http_headers import Headers
-from twisted.web.iweb import IAgentEndpointFactory
+from twisted.web.client import ResponseFailed
 from twisted.web.server import Request
-from zope.interface import implementer
 
 from synflow.backoff import Backoff
 from synflow.config import HostPort
 from synflow.errors import HttpApiError, PersistRefused
-from synflow.http.server import INTERNAL_PREFIX, JsonResource, bearer_token, http_error, no_delay
+from synflow.http.rpc_http import RpcHttpPool
+from synflow.http.server import INTERNAL_PREFIX, JsonResource, bearer_token, http_error
 from synflow.metrics import counter, histogram
 from synflow.util import observe, sleep
 
@@ -206,29 +202,6 @@ def _errcode(content: bytes) -> str | None:
     return data.get("errcode") if isinstance(data, dict) else None
 
 
-@implementer(IAgentEndpointFactory)
-class _NoDelayEndpoints:
-    """Plain TCP endpoints whose connections have Nagle's algorithm off."""
-
-    def __init__(self, reactor: Any) -> None:
-        self.reactor = reactor
-
-    def endpointForURI(self, uri: Any) -> Any:
-        return _NoDelayEndpoint(TCP4ClientEndpoint(self.reactor, uri.host.decode(), uri.port))
-
-
-class _NoDelayEndpoint:
-    def __init__(self, endpoint: Any) -> None:
-        self.endpoint = endpoint
-
-    def connect(self, factory: Any) -> Any:
-        def made(protocol: Any) -> Any:
-            no_delay(protocol.transport)
-            return protocol
-
-        return self.endpoint.connect(factory).addCallback(made)
-
-
 class RpcClient:
     """Calls other processes' internal RPC methods.
 
@@ -251,15 +224,16 @@ class RpcClient:
         self.backoff = backoff or Backoff(initial_s=0.1, multiplier=2.0, max_s=2.0, jitter=0.1)
         self.rng = rng or random.Random()
         self.timeout_s = timeout_s
-        self.pool = HTTPConnectionPool(reactor, persistent=True)
-        self.pool.maxPersistentPerHost = 8
-        # A bare Agent: treq's redirect, cookie and decompression layers cost
-        # more CPU than the call itself on this hot path.
-        self.agent = Agent.usingEndpointFactory(reactor, _NoDelayEndpoints(reactor), pool=self.pool)
+        # Not treq, nor twisted.web's Agent: their per-request machinery cost
+        # more CPU than the call itself on this hot path (see rpc_http).
+        self.pool = RpcHttpPool(reactor)
         self.http = http
+        auth = b"" if secret is None else b"Authorization: Bearer " + secret.encode() + b"\r\n"
+        #: Every request's headers after Host and before Content-Length.
+        self._fixed_headers = b"Content-Type: application/json\r\n" + auth
 
     def close(self) -> Deferred[None]:
-        return self.pool.closeCachedConnections()
+        return self.pool.close()
 
     async def call(self, instance: str, name: str, args: Any) -> Any:
         """Call ``name`` on ``instance``; returns its result or raises its HttpApiError."""
@@ -267,16 +241,13 @@ class RpcClient:
         if address is None:
             raise HttpApiError(502, "M_UNKNOWN", f"instance {instance!r} is not in instance_map")
         txn_id = secrets.token_urlsafe(12)
-        url = f"http://{address.host}:{address.port}{PREFIX}/{name}/{txn_id}"
+        path = f"{PREFIX}/{name}/{txn_id}"
         body = json.dumps({"args": args, "positions": self.positions.own_positions()}).encode()
-        headers: dict[bytes | str, list[bytes | str]] = {b"Content-Type": [b"application/json"]}
-        if self.secret is not None:
-            headers[b"Authorization"] = [b"Bearer " + self.secret.encode()]
         last_error: Exception | None = None
         for attempt in range(1, MAX_ATTEMPTS + 1):
             try:
                 started = time.perf_counter()
-                code, content = await self._post(url, body, headers)
+                code, content = await self._post(address, path, body)
                 RPC_SECONDS.labels(name=name, side="client", phase="http").observe(time.perf_counter() - started)
             except (ConnectError, ConnectingCancelledError, TimeoutError, ResponseFailed) as e:
                 last_error = e
@@ -294,21 +265,28 @@ class RpcClient:
         RPC_CALLS.labels(name=name, outcome="unreachable").inc()
         raise HttpApiError(502, "M_UNKNOWN", f"failed to talk to {instance!r} ({type(last_error).__name__})")
 
-    async def _post(self, url: str, body: bytes, headers: dict[Any, Any]) -> tuple[int, bytes]:
+    async def _post(self, address: HostPort, path: str, body: bytes) -> tuple[int, bytes]:
         if self.http is not None:  # an injected treq-like client (tests)
-            response = await self.http.post(url, data=body, headers=headers, timeout=self.timeout_s)
+            headers: dict[bytes, list[bytes]] = {b"Content-Type": [b"application/json"]}
+            if self.secret is not None:
+                headers[b"Authorization"] = [b"Bearer " + self.secret.encode()]
+            response = await self.http.post(f"http://{address.host}:{address.port}{path}", data=body,
+                                             headers=headers, timeout=self.timeout_s)
             return response.code, await response.content()
-        d = self.agent.request(b"POST", url.encode(), Headers(headers), FileBodyProducer(BytesIO(body)))
+        request = b"".join((
+            f"POST {path} HTTP/1.1\r\nHost: {address.host}:{address.port}\r\n".encode(), self._fixed_headers,
+            b"Content-Length: %d\r\n\r\n" % len(body), body,
+        ))
+        d = Deferred.fromCoroutine(self.pool.request(address.host, address.port, request))
         timer = self.reactor.callLater(self.timeout_s, d.cancel)
         try:
             response = await d
-            content = await readBody(response)
         except CancelledError:
             raise TimeoutError(f"no answer within {self.timeout_s}s") from None
         finally:
             if timer.active():
                 timer.cancel()
-        return response.code, content
+        return response.code, response.body
 
     async def _finish(self, instance: str, name: str, code: int, content: bytes) -> Any:
         try:

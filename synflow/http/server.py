@@ -110,6 +110,9 @@ class LimitedRequest(Request):
 
     too_large = False
     synflow_user: str | None = None
+    #: Bodies are JSON, never HTML forms: twisted.web's form parsing would otherwise run the ``email``
+    #: package's header parser over every POST's Content-Type.
+    _parsePOSTFormSubmission = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
