@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from scripts.benchmarks.common import Progress, cpu_seconds
+from scripts.benchmarks.profile import from_env
 
 TARGETS = [
     {"row": "mainjob.send_p50", "field": "value", "op": "<=", "threshold": 25, "label": "send p50 ≤ 25 ms"},
@@ -73,9 +74,19 @@ def run(quick: bool, progress: Progress) -> dict[str, Any]:
             pids = {f"{server}/{name}": pid for server, directory in (("localhost", home), (demo.PEER, peer))
                     for name, pid in _pids(directory).items()}
             cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+            profiler = from_env()
             progress(f"sending {args.messages} messages with {args.concurrency} concurrent senders")
             result: dict[str, Any] = {}
             demo.progress_bar = lambda done, total: None  # quiet: the runner shows progress lines
+            demo_step = demo.step
+
+            def step(msg: str) -> None:
+                demo_step(msg)
+                if msg.startswith("sending"):  # the profiles cover the sends and syncs, not the set-up
+                    for name, pid in pids.items():
+                        profiler.attach("mainjob-" + name.replace("/", "-"), pid, 2 if quick else 10)
+
+            demo.step = step
 
             def go() -> None:
                 d = ensureDeferred(demo.traffic(args, servers))
@@ -90,6 +101,7 @@ def run(quick: bool, progress: Progress) -> dict[str, Any]:
             report = result["workload"].verify()
             cpu = {name: cpu_seconds(pid) - cpu_before[name] for name, pid in pids.items()}
             traffic_s = time.monotonic() - t0
+            profiler.finish()
         finally:
             for directory in reversed(started):
                 _ctl(directory, "stop")
