@@ -10,7 +10,8 @@ Three layers, each usable alone:
   (the origin authenticated by :mod:`synflow.federation.auth`, never a
   claim in the body)
   through a :class:`~synflow.federation.interfaces.DedupeStore`, persists each
-  PDU through an injected callable, reports the origin as up, and returns
+  PDU through an injected callable (each room's in order, the rooms side by
+  side), reports the origin as up, and returns
   ``(code, json_body)`` (503, unremembered, when a PDU cannot be persisted
   now, so the sender retries);
 * :class:`SendResource` -- the twisted.web glue: mount it at
@@ -31,7 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
-from twisted.internet.defer import Deferred, maybeDeferred, succeed
+from twisted.internet.defer import Deferred, gatherResults, maybeDeferred, succeed
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 from twisted.web.resource import Resource
@@ -343,6 +344,7 @@ class InboundTransactionHandler:
             return stored
         metrics.INBOUND_TRANSACTIONS.labels(outcome="accepted").inc()
         results: dict[str, JsonDict] = {}
+        rooms: dict[object, list[JsonDict]] = {}
         for pdu in txn.pdus:
             event_id = pdu["event_id"]
             if event_id in results:
@@ -351,23 +353,20 @@ class InboundTransactionHandler:
                 INBOUND_PDUS_REFUSED.inc()
                 results[event_id] = {"error": txn.refused[event_id]}
                 continue
-            try:
-                await maybeDeferred(self._persist_pdu, txn.origin, pdu)
-            except HttpApiError as e:
-                if e.code in TRANSIENT_PERSIST_CODES:
-                    # Not this PDU's fault (a persister is unreachable): fail the whole transaction,
-                    # unremembered, so the sender retries it; what was persisted is idempotent.
-                    metrics.INBOUND_TRANSACTIONS.labels(outcome="retry").inc()
-                    logger.warning("/send %s from %s: %s; answering 503 for a retry", txn.txn_id, txn.origin, e.msg)
-                    return 503, {"errcode": "M_UNKNOWN", "error": f"cannot persist now, retry: {e.msg}"}
-                results[event_id] = {"error": e.msg}
-            except PersistRefused as e:
-                results[event_id] = {"error": e.msg}  # the room rules or the persister refused this PDU
-            except Exception as e:
-                logger.warning("persisting %s from %s failed: %s", event_id, txn.origin, e)
-                results[event_id] = {"error": str(e) or type(e).__name__}
-            else:
-                results[event_id] = {}
+            results[event_id] = {}  # in the transaction's order; a PDU's error replaces it
+            rooms.setdefault(pdu.get("room_id"), []).append(pdu)
+        # Rooms are independent: each room's PDUs are persisted in order, the
+        # rooms side by side, so the persist calls of one step for every room
+        # share one RPC to each persister (EventRouter batches a turn's calls).
+        retry: list[HttpApiError] = []
+        await gatherResults([Deferred.fromCoroutine(self._persist_room(txn.origin, pdus, results, retry))
+                             for pdus in rooms.values()])
+        if retry:
+            # Not a PDU's fault (a persister is unreachable): fail the whole transaction,
+            # unremembered, so the sender retries it; what was persisted is idempotent.
+            metrics.INBOUND_TRANSACTIONS.labels(outcome="retry").inc()
+            logger.warning("/send %s from %s: %s; answering 503 for a retry", txn.txn_id, txn.origin, retry[0].msg)
+            return 503, {"errcode": "M_UNKNOWN", "error": f"cannot persist now, retry: {retry[0].msg}"}
         if self._on_edu is not None:
             for edu in txn.edus:
                 try:
@@ -380,6 +379,24 @@ class InboundTransactionHandler:
         except Exception:
             logger.exception("could not remember the response to %s from %s", txn.txn_id, txn.origin)
         return response
+
+    async def _persist_room(self, origin: str, pdus: list[JsonDict], results: dict[str, JsonDict],
+                            retry: list[HttpApiError]) -> None:
+        """Persist one room's PDUs in order; a PDU that cannot be persisted now stops the room (see ``retry``)."""
+        for pdu in pdus:
+            event_id = pdu["event_id"]
+            try:
+                await maybeDeferred(self._persist_pdu, origin, pdu)
+            except HttpApiError as e:
+                if e.code in TRANSIENT_PERSIST_CODES:
+                    retry.append(e)  # the room's later PDUs wait for the sender's retry: never out of order
+                    return
+                results[event_id] = {"error": e.msg}
+            except PersistRefused as e:
+                results[event_id] = {"error": e.msg}  # the room rules or the persister refused this PDU
+            except Exception as e:
+                logger.warning("persisting %s from %s failed: %s", event_id, origin, e)
+                results[event_id] = {"error": str(e) or type(e).__name__}
 
     def _remote_up(self, origin: str) -> None:
         try:

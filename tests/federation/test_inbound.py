@@ -216,6 +216,36 @@ class DedupeTest(SynchronousTestCase):
         self.assertEqual([e for _, e in r.persisted], ["$ev1", "$ev1", "$ev2", "$ev3"])
         self.assertEqual(len(edus), 1)
 
+    def test_rooms_side_by_side_each_in_order(self):
+        """Each room's PDUs are persisted one after another, in order; the rooms' PDUs are persisted side by side."""
+        r = Receiver()
+        r.hold = []
+        a, b = "!a:remote.test", "!b:remote.test"
+        d = r.handler.on_send(ORIGIN, "t1", body(pdus=[pdu(1, room_id=a), pdu(2, room_id=a), pdu(3, room_id=b)]))
+        self.assertEqual([e for _, e in r.persisted], ["$ev1", "$ev3"])  # $ev2 waits for $ev1
+        r.hold.pop(0).callback(None)
+        self.assertEqual([e for _, e in r.persisted], ["$ev1", "$ev3", "$ev2"])
+        self.assertNoResult(d)
+        for held in r.hold:
+            held.callback(None)
+        self.assertEqual(list(self.successResultOf(d)[1]["pdus"]), ["$ev1", "$ev2", "$ev3"])
+
+    def test_a_room_that_cannot_be_persisted_now_stops_but_other_rooms_go_on(self):
+        """A PDU that cannot be persisted now stops its room's later PDUs; other rooms' are persisted; 503."""
+        r = Receiver()
+        a, b = "!a:remote.test", "!b:remote.test"
+
+        def flaky(origin: str, p: dict[str, Any]) -> Any:
+            if p["event_id"] == "$ev1":
+                raise HttpApiError(502, "M_UNKNOWN", "failed to talk to 'persister1'")
+            return r.persist(origin, p)
+
+        r.handler = InboundTransactionHandler(r.store, flaky, r.up.append, allowed_origins=[ORIGIN])
+        txn = body(pdus=[pdu(1, room_id=a), pdu(2, room_id=a), pdu(3, room_id=b)])
+        code, _ = self.successResultOf(r.handler.on_send(ORIGIN, "t1", txn))
+        self.assertEqual(code, 503)
+        self.assertEqual(r.persisted, [(ORIGIN, "$ev3")])
+
     def test_repeated_transaction_returns_the_same_response_and_persists_once(self):
         """The same (origin, txn_id) again gets the stored response and persists nothing more."""
         r = Receiver()
