@@ -165,6 +165,10 @@ class SyncHandler:
         if not since.is_before_or_eq(now):
             # Still behind the client's token: answer nothing new, keep its token.
             return SyncResult(str(since), [], False, rooms)
+        if now.is_before_or_eq(since):
+            # Nothing written since the token (the next request of a long-poll chain, mostly): the window
+            # is empty for every writer, so there is nothing to read.
+            return SyncResult(str(since), [], False, rooms)
         upto = now_by_name
         events = await self.store.get_events_in_window(
             sorted(rooms), self._by_name(since), since.minimum, upto, now.minimum, limit + 1

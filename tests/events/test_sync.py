@@ -68,3 +68,16 @@ class CatchUpTest(TestCase):
             self.clock.advance(0.5)
         result = yield d
         self.assertEqual((result.events, result.next_batch), ([], self.sent["token"]))
+
+    @inlineCallbacks
+    def test_nothing_written_since_the_token_reads_nothing(self):
+        """A sync from the token this process is at answers nothing new without reading events from the store."""
+        self.view.on_command(self.conn, PositionCommand("events", "master", self.lag, self.before + 1))
+        first = yield self.start()
+        self.assertEqual([e.event_id for e in first.events], [self.sent["event_id"]])
+        reads: list[Any] = []
+        store = self.master.worker.store
+        read = store.get_events_in_window
+        self.patch(store, "get_events_in_window", lambda *a: reads.append(a) or read(*a))
+        again = yield ensureDeferred(self.sync.sync(self.alice.user_id, self.alice.user_id, first.next_batch, 0, 10))
+        self.assertEqual((again.events, again.next_batch, reads), ([], first.next_batch, []))
