@@ -60,9 +60,11 @@ class EventRouter:
             else:
                 if self.rpc is None:
                     raise HttpApiError(502, "M_UNKNOWN", f"cannot reach event persister {owner!r}")
-                got = await gatherResults([self._queue(owner, spec) for spec in batch], consumeErrors=True).addErrback(
-                    _first_error
-                )
+                if len(batch) == 1:  # one event (a client's send): no DeferredList to gather one result
+                    got = [await self._queue(owner, batch[0])]
+                else:
+                    got = await gatherResults([self._queue(owner, spec) for spec in batch],
+                                              consumeErrors=True).addErrback(_first_error)
             for i, result in zip(indexes, got, strict=True):
                 results[i] = result
         return [r for r in results if r is not None]

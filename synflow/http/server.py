@@ -235,13 +235,16 @@ def parse_json_body(raw: bytes, *, max_depth: int = DEFAULT_MAX_DEPTH, want_obje
     except UnicodeDecodeError:
         raise HttpApiError(400, "M_NOT_JSON", "request body is not UTF-8") from None
     # Refuse absurd nesting before the recursive decoder sees it.
-    if text.count("[") + text.count("{") > max_depth and _bracket_depth(text) > max_depth:
+    brackets = text.count("[") + text.count("{")
+    if brackets > max_depth and _bracket_depth(text) > max_depth:
         raise HttpApiError(400, "M_BAD_JSON", f"JSON nested deeper than {max_depth} levels")
     try:
         value = json.loads(text, parse_constant=_no_constants, parse_float=_finite)
     except (ValueError, RecursionError) as e:
         raise HttpApiError(400, "M_NOT_JSON", f"request body is not valid JSON: {e}") from None
-    if _depth(value, max_depth) > max_depth:
+    # Each level but the innermost needs a bracket of its own: with fewer
+    # brackets than the limit, the value cannot be deeper than it.
+    if brackets >= max_depth and _depth(value, max_depth) > max_depth:
         raise HttpApiError(400, "M_BAD_JSON", f"JSON nested deeper than {max_depth} levels")
     if want_object and not isinstance(value, dict):
         raise HttpApiError(400, "M_BAD_JSON", "request body must be a JSON object")
@@ -269,11 +272,36 @@ def _bracket_depth(text: str) -> int:
     return deepest
 
 
+_json_encoder = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+# ``JSONEncoder.encode`` builds a fresh C encoder per call, which costs about
+# as much as encoding a typical response: the C encoder is built once here
+# (the same output; a reference cycle ends in RecursionError, not a check).
+_c_make_encoder: Any = getattr(json.encoder, "c_make_encoder", None)
+_encode_chunks: Any = (
+    _c_make_encoder(None, _json_encoder.default, json.encoder.encode_basestring_ascii, None, ":", ",",
+                    False, False, False)
+    if _c_make_encoder else None
+)
+
+
+def encode_json(value: Any) -> bytes:
+    """``value`` as compact JSON (ASCII, no NaN or Infinity), as ``json.dumps(value, separators=(",", ":"),
+    allow_nan=False)`` encodes it.
+
+    Raises:
+        ValueError: NaN or Infinity in ``value``.
+        TypeError: ``value`` holds something JSON cannot encode.
+    """
+    if _encode_chunks is not None:
+        return "".join(_encode_chunks(value, 0)).encode("ascii")
+    return _json_encoder.encode(value).encode("ascii")
+
+
 def respond_json(request: Request, code: int, body: Any) -> None:
     """Write a JSON response and finish the request (if still open)."""
     if request.finished or getattr(request, "_disconnected", False):
         return
-    data = json.dumps(body, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    data = encode_json(body)
     request.setResponseCode(code)
     request.setHeader(b"Content-Type", b"application/json")
     request.setHeader(b"Content-Length", str(len(data)).encode())
