@@ -6,7 +6,7 @@ import itertools
 from typing import Any
 
 from twisted.internet import reactor
-from twisted.trial.unittest import TestCase
+from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from synflow import registry
 from synflow.events.bounds import MAX_SAFE_INTEGER
@@ -140,3 +140,14 @@ class PostgresPersistBatchTests(PersistBatchMixin, TestCase):
     """On PostgreSQL."""
 
     engine = "postgres"
+
+
+class EventSpecJsonTest(SynchronousTestCase):
+    def test_to_json_round_trips_every_field(self) -> None:
+        """to_json names every field (as attrs.asdict would) and from_json rebuilds the same spec."""
+        import attrs
+
+        spec = EventSpec("!r:hs", "m.room.member", "@u:hs", {"membership": "join", "x": [1, {"y": 2}]}, "@u:hs",
+                         "hs", 5, "t1", "$e")
+        self.assertEqual(spec.to_json(), attrs.asdict(spec))
+        self.assertEqual(EventSpec.from_json(spec.to_json()), spec)
