@@ -1,4 +1,9 @@
-"""A small asynchronous client for synflow's client API (treq, real HTTP), for tools and tests.
+"""A small asynchronous client for synflow's client API (real HTTP through twisted.web's Agent), for tools and tests.
+
+A bare ``Agent`` rather than treq: treq's URL parsing (hyperlink, IDNA) and
+its redirect, cookie and content layers cost more CPU than the request, and
+the load generators (``scripts/demo``, the ``mainjob`` benchmark) share the
+machine with the deployment they measure.
 
 Internal to synflow: not part of the public API (``synflow.api``).
 """
@@ -6,12 +11,16 @@ Internal to synflow: not part of the public API (``synflow.api``).
 from __future__ import annotations
 
 import json
+from io import BytesIO
 from typing import Any
 from urllib.parse import quote, urlencode
 
 from treq.client import HTTPClient
 from twisted.internet import reactor
-from twisted.web.client import Agent, HTTPConnectionPool
+from twisted.internet.defer import Deferred
+from twisted.internet.error import TimeoutError
+from twisted.web.client import Agent, FileBodyProducer, HTTPConnectionPool, readBody
+from twisted.web.http_headers import Headers
 
 PREFIX = "/_synflow/client/v1"
 
@@ -30,7 +39,9 @@ class Client:
     def __init__(self, base_url: str, pool: HTTPConnectionPool, token: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.pool = pool
-        self.http = HTTPClient(Agent(reactor, pool=pool))
+        self.agent = Agent(reactor, pool=pool)
+        #: treq over the same connections, for callers that want its response object (headers and all).
+        self.http = HTTPClient(self.agent)
         self.token = token
         self.user_id: str | None = None
 
@@ -42,15 +53,28 @@ class Client:
 
     async def request(self, method: str, path: str, body: Any = None, raw: bytes | None = None,
                       headers: dict | None = None, timeout: float = 60) -> Any:
-        hdrs: dict[bytes | str, list[bytes | str]] = {b"Content-Type": [b"application/json"]}
+        hdrs = Headers({b"Content-Type": [b"application/json"]})
         if self.token is not None:
-            hdrs[b"Authorization"] = [b"Bearer " + self.token.encode()]
-        if headers:
-            hdrs.update(headers)
+            hdrs.setRawHeaders(b"Authorization", [b"Bearer " + self.token.encode()])
+        for name, values in (headers or {}).items():
+            hdrs.setRawHeaders(name, values)
         data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-        response = await self.http.request(method, self.base_url + PREFIX + path, data=data, headers=hdrs,
-                                           timeout=timeout)
-        content = await response.content()
+        producer = FileBodyProducer(BytesIO(data)) if data is not None else None
+        waiting: list[Deferred[Any]] = [
+            self.agent.request(method.encode("ascii"), (self.base_url + PREFIX + path).encode("ascii"), hdrs, producer)
+        ]
+        timer = reactor.callLater(timeout, lambda: waiting[0].cancel())  # the whole exchange, body included
+        try:
+            response = await waiting[0]
+            waiting[0] = readBody(response)
+            content = await waiting[0]
+        except Exception:
+            if not timer.active():
+                raise TimeoutError(f"no answer within {timeout}s") from None
+            raise
+        finally:
+            if timer.active():
+                timer.cancel()
         try:
             parsed = json.loads(content) if content else None
         except ValueError:
