@@ -18,10 +18,33 @@ import time
 from collections.abc import Iterable
 
 #: trial's closing line: ``PASSED (successes=3, skips=1)``, or a bare ``PASSED`` when nothing ran.
-#: Most trial workers for ``SYNFLOW_TEST_JOBS=auto``. The default is one process:
-#: on 2 cores two workers saved about 15% of the suite's time but doubled the
-#: load under the fault tests' SIGKILL windows.
-MAX_JOBS = 2
+#: Most trial workers for ``SYNFLOW_TEST_JOBS=auto`` (the default): two per CPU.
+#: Most of the suite's time is spent waiting on real processes (twistd, the JVM,
+#: pip), so workers beyond the CPU count still overlap that waiting.
+MAX_JOBS = 4
+WORKERS_PER_CPU = 2
+
+#: The slowest test modules, longest first (one-process timings on 2 cores,
+#: 2026-11-26). Workers take tests in suite order, so running the whole suite
+#: in parallel starts these first and the short tests fill in behind them,
+#: instead of one long test starting last and running alone.
+SLOW_FIRST = (
+    "tests.integration.test_faults",
+    "tests.integration.test_federation",
+    "tests.spark.test_cli",
+    "tests.spark.test_cluster",
+    "tests.integration.test_multiwriter",
+    "tests.integration.test_persisters",
+    "tests.integration.test_main_job",
+    "tests.integration.test_deployment",
+    "tests.integration.test_internal_channels",
+    "tests.integration.test_plugins",
+    "tests.test_fuzz",
+    "tests.spark.test_inputs",
+    "tests.spark.test_validate",
+    "tests.integration.test_federation_catch_up",
+    "tests.integration.test_audit_disk_full",
+)
 
 SUMMARY = re.compile(r"^(PASSED|FAILED)(?: \((.*)\))?\s*$")
 
@@ -59,26 +82,50 @@ def summarize(output: Iterable[str], returncode: int) -> tuple[list[str], int]:
     return lines, 0 if failed == 0 and returncode == 0 and summary.group(1) == "PASSED" else 1
 
 
-def trial_args(argv: list[str], jobs: str | None, cpus: int | None) -> list[str]:
-    """trial's arguments: ``argv`` (default ``tests``), run by ``-j N`` workers when asked.
+def trial_args(argv: list[str], jobs: str | None, cpus: int | None, modules: list[str] | None = None) -> list[str]:
+    """trial's arguments: ``argv`` (default ``tests``), run by ``-j N`` workers.
 
     Args:
         argv: the arguments given to this script.
-        jobs: ``SYNFLOW_TEST_JOBS``: ``auto`` for one worker per CPU, at most
-            :data:`MAX_JOBS`; a count; unset or ``1`` runs the suite in one process.
+        jobs: ``SYNFLOW_TEST_JOBS``: unset or ``auto`` for two workers per CPU,
+            at most :data:`MAX_JOBS`; a count; ``1`` runs the suite in one process.
         cpus: the machine's CPU count.
+        modules: the suite's test modules; when the whole suite runs in
+            parallel they are named one by one, :data:`SLOW_FIRST` first.
     """
     args = argv or ["tests"]
     if any(a == "-j" or a.startswith(("-j", "--jobs")) for a in args):
         return args
-    n = min(MAX_JOBS, cpus or 1) if jobs == "auto" else int(jobs) if jobs else 1
+    n = min(MAX_JOBS, WORKERS_PER_CPU * (cpus or 1)) if jobs in (None, "", "auto") else int(jobs)
     if n < 1:
         raise ValueError(f"SYNFLOW_TEST_JOBS must be at least 1, got {jobs!r}")
-    return args if n == 1 else ["-j", str(n), *args]
+    if n == 1:
+        return args
+    if args == ["tests"] and modules:
+        args = slow_first(modules)
+    return ["-j", str(n), *args]
+
+
+def slow_first(modules: list[str]) -> list[str]:
+    """``modules`` with those of :data:`SLOW_FIRST` first, in its order, then the rest sorted."""
+    known = [m for m in SLOW_FIRST if m in modules]
+    return known + sorted(set(modules) - set(known))
+
+
+def test_modules(root: str = "tests") -> list[str]:
+    """Every ``test_*.py`` module under the package directory ``root``, as dotted names (``tests.x.test_y``)."""
+    top = os.path.dirname(os.path.abspath(root))
+    found = []
+    for directory, _, files in os.walk(root):
+        for name in files:
+            if name.startswith("test_") and name.endswith(".py"):
+                relative = os.path.relpath(os.path.join(directory, name[:-3]), top)
+                found.append(relative.replace(os.sep, "."))
+    return sorted(found)
 
 
 def main(argv: list[str]) -> int:
-    args = trial_args(argv, os.environ.get("SYNFLOW_TEST_JOBS"), os.cpu_count())
+    args = trial_args(argv, os.environ.get("SYNFLOW_TEST_JOBS"), os.cpu_count(), test_modules())
     cmd = [sys.executable, "-m", "twisted.trial", "--temp-directory", os.environ.get("SYNFLOW_TRIAL_TEMP", "_trial_temp"), *args]
     started = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)

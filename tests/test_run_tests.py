@@ -7,7 +7,8 @@ import os
 
 from twisted.trial.unittest import SynchronousTestCase
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "scripts", "run_tests.py")
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+_PATH = os.path.join(ROOT, "scripts", "run_tests.py")
 _spec = importlib.util.spec_from_file_location("synflow_run_tests", _PATH)
 assert _spec is not None and _spec.loader is not None
 run_tests = importlib.util.module_from_spec(_spec)
@@ -65,17 +66,17 @@ class SummarizeTest(SynchronousTestCase):
 
 
 class TrialArgsTest(SynchronousTestCase):
-    def test_one_process_by_default(self):
-        """Unset SYNFLOW_TEST_JOBS (or 1) runs the suite in one process."""
-        self.assertEqual(run_tests.trial_args([], None, 8), ["tests"])
-        self.assertEqual(run_tests.trial_args(["tests.replication"], "1", 8), ["tests.replication"])
-
-    def test_auto_is_one_worker_per_cpu_capped(self):
-        """SYNFLOW_TEST_JOBS=auto runs one trial worker per CPU, at most MAX_JOBS; a single CPU runs in one process."""
-        self.assertEqual(run_tests.trial_args([], "auto", 2), ["-j", "2", "tests"])
-        self.assertEqual(run_tests.trial_args(["tests.replication"], "auto", 64),
+    def test_parallel_by_default(self):
+        """Unset SYNFLOW_TEST_JOBS (or auto) runs two trial workers per CPU, at most MAX_JOBS."""
+        self.assertEqual(run_tests.trial_args([], None, 1), ["-j", "2", "tests"])
+        self.assertEqual(run_tests.trial_args([], "auto", 2), ["-j", "4", "tests"])
+        self.assertEqual(run_tests.trial_args(["tests.replication"], "", 64),
                          ["-j", str(run_tests.MAX_JOBS), "tests.replication"])
-        self.assertEqual(run_tests.trial_args([], "auto", 1), ["tests"])
+
+    def test_one_process(self):
+        """SYNFLOW_TEST_JOBS=1 runs the suite in one process, as it is named."""
+        self.assertEqual(run_tests.trial_args([], "1", 8, ["tests.test_a", "tests.test_b"]), ["tests"])
+        self.assertEqual(run_tests.trial_args(["tests.replication"], "1", 8), ["tests.replication"])
 
     def test_explicit_jobs(self):
         """A count is used as it is; a -j given on the command line is left alone; 0 is refused."""
@@ -84,3 +85,20 @@ class TrialArgsTest(SynchronousTestCase):
         self.assertEqual(run_tests.trial_args(["--jobs=4", "tests"], None, 8), ["--jobs=4", "tests"])
         with self.assertRaises(ValueError):
             run_tests.trial_args([], "0", 8)
+
+    def test_whole_suite_in_parallel_starts_the_slowest_modules(self):
+        """Run whole and in parallel, the suite is named module by module, the known slow ones first in their
+        order, then every other module sorted; a named subset is passed as it is."""
+        slow = list(run_tests.SLOW_FIRST[:2])
+        modules = ["tests.test_b", slow[1], "tests.test_a", slow[0]]
+        self.assertEqual(run_tests.trial_args([], "2", 2, modules), ["-j", "2", *slow, "tests.test_a", "tests.test_b"])
+        self.assertEqual(run_tests.trial_args(["tests.http"], "2", 2, modules), ["-j", "2", "tests.http"])
+
+    def test_modules_found_are_the_suite(self):
+        """Every test module of the suite is found, and every slow module named exists."""
+        modules = run_tests.test_modules(os.path.join(ROOT, "tests"))
+        self.assertIn("tests.integration.test_faults", modules)
+        self.assertIn("tests.test_run_tests", modules)
+        self.assertNotIn("tests.cluster", modules)
+        for slow in run_tests.SLOW_FIRST:
+            self.assertIn(slow, modules)
