@@ -87,6 +87,7 @@ class SyncHandler:
         handler.add_row_handler("events", self._on_rows)
         handler.add_position_listener("events", self._on_position)
         self._position_waiters: list[Deferred[None]] = []
+        self._current: tuple[StreamToken, dict[str, int]] | None = None
 
     # -- notification ----------------------------------------------------------------
 
@@ -110,10 +111,15 @@ class SyncHandler:
     # -- tokens --------------------------------------------------------------------------
 
     async def current_token(self) -> tuple[StreamToken, dict[str, int]]:
-        """This process's events position as a token, and by writer name."""
+        """This process's events position as a token, and by writer name (the caller must not change it)."""
         positions = self.handler.positions("events")
+        last = self._current
+        if last is not None and last[1] == positions:
+            return last  # no writer moved since: the same token (instance IDs never change)
         ids = await self.instances.ids_for(sorted(positions))
-        return StreamToken.from_positions({ids[n]: p for n, p in positions.items()}), positions
+        current = StreamToken.from_positions({ids[n]: p for n, p in positions.items()}), positions
+        self._current = current
+        return current
 
     async def parse_token(self, text: str) -> StreamToken:
         try:
