@@ -14,6 +14,7 @@ from twisted.trial.unittest import TestCase
 
 from spark.generate import Config, generate, write_jsonl
 from spark.inject import expected_keys
+from tests import TEST_JVM_OPTIONS
 from tests.cluster import free_port
 from tests.services import require_java
 from tests.spark._session import validate
@@ -113,6 +114,7 @@ class StandaloneClusterTest(TestCase):
         submit = subprocess.run(
             [os.path.join(_spark_home(), "bin", "spark-submit"), "--master", f"spark://127.0.0.1:{port}",
              "--deploy-mode", "client", "--driver-memory", "1g", "--executor-memory", "512m",
+             "--conf", f"spark.executor.extraJavaOptions={TEST_JVM_OPTIONS}",
              "--total-executor-cores", "2", "--py-files", archive, driver,
              "--logs", f"file://{logs}", "--out", f"file://{cluster_out}", "--shuffle-partitions", "4"],
             cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
