@@ -245,7 +245,8 @@ def _zombie(pid: int) -> bool:
     except OSError:
         return False
     # The state follows the command name, which is in parentheses and may hold spaces.
-    return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] in (b"Z", b"X")
+    state = stat.rfind(b")") + 2
+    return stat[state:state + 1] in (b"Z", b"X")
 
 
 def _proc_words(pid: int, name: str) -> list[str] | None:
@@ -461,16 +462,12 @@ def stop(procs: list[Proc], out: Any = None) -> int:
 
 
 def _alive(pid: int) -> bool:
-    """Whether ``pid`` still runs; reaps it if it is our child, and a zombie another parent has yet to reap is gone."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
+    """Whether ``pid`` still runs: reaped here if it is our child, else as :func:`_alive_pid` tells."""
     try:
         waited, _ = os.waitpid(pid, os.WNOHANG)
         return waited == 0
     except ChildProcessError:
-        return not _zombie(pid)
+        return _alive_pid(pid)
 
 
 STATUS_HEADER = ("instance", "app", "pid", "health", "metrics", "positions")
