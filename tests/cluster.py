@@ -31,6 +31,7 @@ from twisted.internet.defer import ensureDeferred, inlineCallbacks
 from twisted.internet.task import deferLater
 from twisted.protocols.portforward import ProxyFactory, ProxyServer
 
+from synflow.tools.deploy import free_port
 from tests import services
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
@@ -38,11 +39,6 @@ PYTHON = sys.executable
 TWISTD = os.path.join(os.path.dirname(sys.executable), "twistd")
 
 
-def free_port() -> int:
-    """A loopback TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sleep(seconds: float):

@@ -110,3 +110,12 @@ class QuantileTest(SynchronousTestCase):
         self.assertEqual(percentiles([float(i) for i in range(1, 11)]), {"p50": 5.5, "p95": 9.55, "p99": 9.91, "max": 10.0})
         self.assertEqual(percentiles([7.0]), {"p50": 7.0, "p95": 7.0, "p99": 7.0, "max": 7.0})
         self.assertEqual(percentiles([]), {"p50": 0.0, "p95": 0.0, "p99": 0.0, "max": 0.0})
+
+
+class FreePortTest(SynchronousTestCase):
+    def test_never_hands_out_a_port_twice(self):
+        """free_port never returns a port it returned before in this process, though the kernel may offer one again."""
+        from synflow.tools.deploy import free_port
+
+        ports = [free_port() for _ in range(300)]
+        self.assertEqual(len(set(ports)), len(ports))

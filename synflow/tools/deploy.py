@@ -26,12 +26,20 @@ CLIENT_PORT = 8008
 FEDERATION_PORT = 8448
 
 
+#: Ports :func:`free_port` has handed out in this process: none is handed out twice, since
+#: the kernel may offer a port again as soon as the probing socket is closed.
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A loopback TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A loopback TCP port nobody listens on right now, never one this process was given before."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port: int = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def make_deployment(target: str, server_name: str, port_map: dict[int, int], *, peer: str | None = None,
