@@ -202,6 +202,8 @@ class LimitsConfig:
     sync_max_timeout_ms: int = 60_000
     sync_default_limit: int = 100
     sync_max_limit: int = 1000
+    #: How long a send of a room being handed over to another persister waits before 503 + Retry-After.
+    reshard_max_wait_s: float = 10.0
 
 
 @attrs.frozen

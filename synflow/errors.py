@@ -123,6 +123,10 @@ class WrongPersister(Conflict):
         self.owner = owner
 
 
+class RoomMoving(PersistRefused):
+    """The room is being handed over to another event persister; the send is retried once it has moved."""
+
+
 class NotStored(PersistRefused):
     """The event passed the rules but could not be written (a database error)."""
 

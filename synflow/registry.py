@@ -326,7 +326,8 @@ def check_app(config: SynflowConfig, error: Callable[[str, str], Exception]) -> 
     for stream in cls.writes:
         if stream.name not in plugins.streams:
             raise error("app", f"{cls.name} writes stream {stream.name!r}, which no installed plugin registers")
-        if stream.writers is Writers.CONFIGURED and config.instance_name not in config.writers_of(stream):
+        if (stream.writers is Writers.CONFIGURED and not stream.reshardable
+                and config.instance_name not in config.writers_of(stream)):
             raise error("instance_name", f"{cls.name} {config.instance_name!r} is not listed in stream_writers.{stream.name}")
     for name in cls.follows:
         if name not in plugins.streams:

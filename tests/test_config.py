@@ -127,10 +127,13 @@ class ConfigTest(_ConfigFiles):
         self.assertIn("config file not found", str(cm.exception))
 
     def test_cross_field_rules(self):
-        """A persister not listed as an events writer, or a misnamed master, is refused."""
+        """A persister missing from instance_map, or a misnamed master, is refused; an unlisted persister may
+        run (``events`` reshards: it owns no rooms until ``synflowctl reshard --add`` moves some to it)."""
         persister = "app: event_persister\ninstance_name: p9\n"
-        self.assertConfigError("own.yaml", "instance_name", "not listed in stream_writers.events",
-                               shared=SHARED.replace("p1: {", "p9: {host: 127.0.0.1, port: 9099}\n  p1: {"), own=persister)
+        self.assertConfigError("own.yaml", "instance_map", "missing from instance_map", own=persister)
+        config = self.load(SHARED.replace("p1: {", "p9: {host: 127.0.0.1, port: 9099}\n  p1: {"), persister)
+        self.assertEqual(config.instance_name, "p9")
+        self.assertNotIn("p9", config.writers_of(EVENTS))
         self.assertConfigError("own.yaml", "instance_name", "must be 'master'", own=MASTER.replace("instance_name: master", "instance_name: boss"))
         self.assertConfigError("shared.yaml", "federation.destinations.other.org", "http:// or https://",
                                shared=SHARED + "federation: {destinations: {other.org: 'ftp://x'}}\n")

@@ -24,6 +24,7 @@ from synflow import registry
 from synflow.app.services import ListeningService
 from synflow.audit import AuditLog
 from synflow.config import SynflowConfig, Transport
+from synflow.events.shards import load_state_txn
 from synflow.framework import Capability
 from synflow.listeners import hub_endpoint
 from synflow.replication import metrics as replication_metrics
@@ -50,6 +51,8 @@ def writes_stream(config: SynflowConfig, stream: StreamDef) -> bool:
         return True
     if stream.writers is Writers.DECLARED:
         return registry.worker_type_for(config).declares_writer_of(stream)
+    if stream.reshardable and registry.worker_type_for(config).declares_writer_of(stream):
+        return True  # a writer that joins (or left) by resharding
     return config.instance_name in config.writers_of(stream)
 
 
@@ -105,6 +108,12 @@ async def setup_replication(
         if stream.writers is Writers.CONFIGURED:
             for writer in config.writers_of(stream):
                 view.setdefault(writer, 1)
+            if stream.reshardable:
+                # Writers that joined by resharding (and those of a hand-over in progress).
+                shards = await db.run_interaction(f"load_shard_map_{name}", load_state_txn,
+                                                  config.writers_of(stream), name, idempotent=True)
+                for writer in sorted(shards.writers()):
+                    view.setdefault(writer, 1)
         elif stream.writers is Writers.ANY:
             # Every configured process may write: count them all from the
             # start, so the minimum stays below a writer not yet heard from.

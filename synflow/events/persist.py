@@ -37,10 +37,11 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 
 from synflow.caching import invalidation_rows
-from synflow.errors import BadEvent, NotStored, PersistRefused, WrongPersister
+from synflow.errors import BadEvent, NotStored, PersistRefused, RoomMoving, WrongPersister
 from synflow.events import auth
 from synflow.events.auth import JoinRule, PowerLevels, RoomView
 from synflow.events.bounds import event_refusal
+from synflow.events.shards import ShardFence, ShardFollower
 from synflow.metrics import counter, histogram
 from synflow.sharding import shard_for
 from synflow.storage.id_generators import StreamWriteContext, StreamWriters
@@ -233,17 +234,44 @@ def persist_events_txn(
     server_name: str,
     instance_name: str,
     now_ms: int,
+    fence: ShardFence | None = None,
 ) -> list[PersistResult]:
     """Validate and write a batch of events in the caller's transaction.
 
     The number of statements does not grow with the batch: existing events,
     room heads and memberships are read in bulk, checks run in memory, and
     every table is written with one multi-row statement.
+
+    With a ``fence``, the stored shard map is read first (under its lock, see
+    :mod:`synflow.events.shards`): an event of a room this persister does not
+    own in the current epoch is refused (:class:`~synflow.errors.WrongPersister`),
+    one of a room moving in the hand-over in progress too
+    (:class:`~synflow.errors.RoomMoving`); the router re-routes both.
     """
     txn = ctx.txn
+    results: list[PersistResult | None] = [None] * len(specs)
+    if fence is not None:
+        state = fence.read_txn(txn)
+        for i, spec in enumerate(specs):
+            owner = state.current.owner(spec.room_id)
+            if owner != instance_name:
+                results[i] = PersistResult(None, None, instance_name,
+                                           WrongPersister(spec.room_id, owner, instance_name))
+            elif state.moving(spec.room_id):
+                results[i] = PersistResult(None, None, instance_name, RoomMoving(
+                    "M_ROOM_MOVING", f"room {spec.room_id} is moving to another event persister (epoch "
+                    f"{state.pending.epoch if state.pending else '?'}); retry"))
+        refused = {i for i, r in enumerate(results) if r is not None}
+        if refused:
+            kept = [i for i in range(len(specs)) if i not in refused]
+            if kept:
+                inner = persist_events_txn(ctx, [specs[i] for i in kept], [event_ids[i] for i in kept],
+                                           server_name=server_name, instance_name=instance_name, now_ms=now_ms)
+                for i, result in zip(kept, inner, strict=True):
+                    results[i] = result
+            return [r for r in results if r is not None]
     existing = _existing_txn(txn, specs)
     rooms = _load_rooms_txn(txn, {s.room_id for s in specs})
-    results: list[PersistResult | None] = [None] * len(specs)
     accepted: list[_Accepted] = []
     first_of: dict[tuple[str, str], int] = {}
     repeats: dict[int, int] = {}
@@ -379,11 +407,15 @@ class EventPersister:
         new_event_id: makes a fresh event ID for a local event.
         max_batch: events per transaction at most.
         max_in_flight: transactions running at once at most.
+        follower: the shard map this process follows (live resharding); with it every
+            transaction is fenced by the stored map. Without it, rooms shard by
+            ``shard_for`` over ``event_writers``.
     """
 
     def __init__(self, writers: StreamWriters, *, server_name: str, instance_name: str,
                  event_writers: Sequence[str], clock: IReactorTime, new_event_id: Any,
-                 max_batch: int = MAX_BATCH, max_in_flight: int = MAX_IN_FLIGHT) -> None:
+                 max_batch: int = MAX_BATCH, max_in_flight: int = MAX_IN_FLIGHT,
+                 follower: ShardFollower | None = None) -> None:
         self.writers = writers
         self.server_name = server_name
         self.instance_name = instance_name
@@ -398,8 +430,12 @@ class EventPersister:
         self._idle_waiters: list[Deferred[None]] = []
         self.batches = 0
         self.persisted = 0
+        self.follower = follower
+        self.fence = None if follower is None else ShardFence(event_writers)
 
     def owner_of(self, room_id: str) -> str:
+        if self.follower is not None:
+            return self.follower.state.current.owner(room_id)
         return shard_for(room_id, self.event_writers)
 
     def check_owner(self, specs: Sequence[EventSpec]) -> None:
@@ -413,6 +449,20 @@ class EventPersister:
             if owner != self.instance_name:
                 raise WrongPersister(spec.room_id, owner, self.instance_name)
 
+    async def check_owner_fresh(self, specs: Sequence[EventSpec]) -> None:
+        """:meth:`check_owner`, after re-reading the shard map if this process's copy disagrees.
+
+        Raises:
+            WrongPersister: naming the first foreign room's owner in the stored map.
+        """
+        try:
+            self.check_owner(specs)
+        except WrongPersister:
+            if self.follower is None:
+                raise
+            await self.follower.reload()
+            self.check_owner(specs)
+
     def persist(self, specs: Sequence[EventSpec]) -> Deferred[list[PersistResult]]:
         """Queue events for the next batches; fires with one result per event.
 
@@ -423,9 +473,21 @@ class EventPersister:
         persister owns is refused whole (:class:`~synflow.errors.WrongPersister`),
         before any of its events is queued.
         """
+        try:
+            self.check_owner(specs)
+        except WrongPersister:
+            if self.follower is None:
+                raise
+            return Deferred.fromCoroutine(self._persist_after_reload(specs))
+        return self._enqueue(specs)
+
+    async def _persist_after_reload(self, specs: Sequence[EventSpec]) -> list[PersistResult]:
+        await self.check_owner_fresh(specs)
+        return await self._enqueue(specs)
+
+    def _enqueue(self, specs: Sequence[EventSpec]) -> Deferred[list[PersistResult]]:
         from twisted.internet.defer import gatherResults
 
-        self.check_owner(specs)
         ds = []
         for spec in specs:
             d: Deferred[PersistResult] = Deferred()
@@ -478,7 +540,7 @@ class EventPersister:
         now_ms = int(self.clock.seconds() * 1000)
         return self.writers.run_write(
             "persist_events", ["events", "caches"], persist_events_txn, specs, ids,
-            server_name=self.server_name, instance_name=self.instance_name, now_ms=now_ms,
+            server_name=self.server_name, instance_name=self.instance_name, now_ms=now_ms, fence=self.fence,
         )
 
     async def _write_alone(self, batch: list[tuple[EventSpec, Deferred[PersistResult]]]) -> list[PersistResult]:

@@ -6,6 +6,15 @@ process is that persister, over internal RPC (``persist_events``) otherwise.
 The RPC layer carries stream positions both ways, so when ``persist``
 returns, this process has seen the events it persisted.
 
+With live resharding (a :class:`~synflow.events.shards.ShardFollower`), the
+owner comes from the shard map this process follows. A send of a room that
+is moving waits here until the hand-over is over (at most ``max_wait_s``,
+then 503 ``M_ROOM_MOVING`` with ``Retry-After``); a send a persister refuses
+because this process's map was stale (``M_WRONG_PERSISTER``, or
+``M_ROOM_MOVING`` from its transaction's fence) is re-routed after the map
+is re-read, never refused to the client. Persisting is idempotent, so a
+re-routed send is never written twice.
+
 Internal to synflow: not part of the public API (``synflow.api``).
 """
 
@@ -17,14 +26,19 @@ from typing import Any
 from twisted.internet.defer import Deferred, gatherResults
 from twisted.python.failure import Failure
 
-from synflow.errors import HttpApiError
+from synflow.errors import HttpApiError, WrongPersister
 from synflow.events.persist import EventPersister, EventSpec, PersistResult
+from synflow.events.shards import DEFAULT_MAX_WAIT_S, SENDS_WAITING, ShardFollower
 from synflow.http.rpc import RpcClient, RpcServer
 from synflow.http.server import refusal_from_status, refusal_status
 from synflow.sharding import shard_for
 
 #: Events sent in one persist_events call at most.
 MAX_RPC_BATCH = 500
+#: Times one send is re-routed at most (each after the shard map changed or was re-read).
+MAX_REROUTES = 8
+#: The refusals that mean "send it elsewhere", not "it is refused".
+REROUTE_ERRCODES = frozenset({"M_WRONG_PERSISTER", "M_ROOM_MOVING"})
 
 
 class EventRouter:
@@ -36,22 +50,86 @@ class EventRouter:
     """
 
     def __init__(self, instance_name: str, event_writers: Sequence[str], persister: EventPersister | None,
-                 rpc: RpcClient | None, clock: Any = None) -> None:
+                 rpc: RpcClient | None, clock: Any = None, follower: ShardFollower | None = None,
+                 max_wait_s: float = DEFAULT_MAX_WAIT_S) -> None:
         self.instance_name = instance_name
         self.event_writers = list(event_writers)
         self.persister = persister
         self.rpc = rpc
         self.clock = clock
+        self.follower = follower
+        self.max_wait_s = max_wait_s
         self._outbox: dict[str, list[tuple[EventSpec, Deferred[PersistResult]]]] = {}
         self._flush_scheduled: set[str] = set()
+        #: Sends re-routed after a persister refused them for a stale map, and sends held during hand-overs.
+        self.rerouted = 0
+        self.held = 0
 
     def owner_of(self, room_id: str) -> str:
+        if self.follower is not None:
+            return self.follower.state.current.owner(room_id)
         return shard_for(room_id, self.event_writers)
 
     async def persist(self, specs: list[EventSpec]) -> list[PersistResult]:
+        """Persist ``specs`` at their rooms' owners; one result per event, in order."""
+        if self.follower is None:
+            return await self._persist_at(specs, self.owner_of)
+        return await self._persist_following(specs, self.follower)
+
+    async def _persist_following(self, specs: list[EventSpec], follower: ShardFollower) -> list[PersistResult]:
+        results: list[PersistResult | None] = [None] * len(specs)
+        todo = list(range(len(specs)))
+        deadline = self.clock.seconds() + self.max_wait_s
+        for _ in range(MAX_REROUTES):
+            state = follower.state
+            held = [i for i in todo if state.moving(specs[i].room_id)]
+            ready = [i for i in todo if not state.moving(specs[i].room_id)]
+            retry: list[int] = []
+            if ready:
+                try:
+                    got: list[PersistResult] | None = await self._persist_at([specs[i] for i in ready],
+                                                                             state.current.owner)
+                except WrongPersister:
+                    got = None
+                except HttpApiError as e:
+                    if e.errcode not in REROUTE_ERRCODES:
+                        raise
+                    got = None
+                if got is None:
+                    retry = ready
+                else:
+                    for i, result in zip(ready, got, strict=True):
+                        if result.error is not None and result.error.errcode in REROUTE_ERRCODES:
+                            retry.append(i)
+                        else:
+                            results[i] = result
+            todo = sorted(held + retry)
+            if not todo:
+                break
+            remaining = deadline - self.clock.seconds()
+            if remaining <= 0:
+                break
+            if retry:
+                self.rerouted += len(retry)
+                await follower.reload()
+            if held or (retry and all(follower.state.moving(specs[i].room_id) for i in retry)):
+                waiting = len(todo)
+                self.held += waiting
+                SENDS_WAITING.inc(waiting)
+                try:
+                    await follower.wait_for_change(remaining)
+                finally:
+                    SENDS_WAITING.dec(waiting)
+        if todo:
+            retry_ms = 1000
+            raise HttpApiError(503, "M_ROOM_MOVING", f"room {specs[todo[0]].room_id} is moving to another event "
+                               f"persister; retry in {retry_ms} ms", retry_after_ms=retry_ms)
+        return [r for r in results if r is not None]
+
+    async def _persist_at(self, specs: list[EventSpec], owner_of: Any) -> list[PersistResult]:
         by_owner: dict[str, list[int]] = {}
         for i, spec in enumerate(specs):
-            by_owner.setdefault(self.owner_of(spec.room_id), []).append(i)
+            by_owner.setdefault(owner_of(spec.room_id), []).append(i)
         results: list[PersistResult | None] = [None] * len(specs)
         for owner, indexes in by_owner.items():
             batch = [specs[i] for i in indexes]
@@ -144,7 +222,7 @@ def serve_persist(server: RpcServer, persister: EventPersister) -> None:
         if not isinstance(events, list) or not events or not all(isinstance(e, dict) for e in events):
             raise HttpApiError(400, "M_BAD_JSON", "persist_events needs a non-empty list of events")
         specs = [EventSpec.from_json(e) for e in events]
-        persister.check_owner(specs)
+        await persister.check_owner_fresh(specs)
         results = await persister.persist(specs)
         return [result_to_json(r) for r in results]
 

@@ -40,6 +40,7 @@ from synflow.errors import (
     NotFound,
     NotStored,
     PersistRefused,
+    RoomMoving,
 )
 from synflow.metrics import histogram
 
@@ -67,11 +68,12 @@ REFUSAL_STATUS: Final[Mapping[type[PersistRefused], int]] = {
     NotFound: 404,
     Conflict: 409,
     NotStored: 500,
+    RoomMoving: 503,
     PersistRefused: 400,
 }
 #: The refusal class each status stands for, when a refusal crosses the internal RPC.
 _REFUSAL_OF_STATUS: Final[Mapping[int, type[PersistRefused]]] = {
-    400: BadEvent, 403: Forbidden, 404: NotFound, 409: Conflict, 500: NotStored,
+    400: BadEvent, 403: Forbidden, 404: NotFound, 409: Conflict, 500: NotStored, 503: RoomMoving,
 }
 
 
@@ -378,6 +380,9 @@ class JsonResource(Resource):
                 raise HttpApiError(405, "M_UNRECOGNIZED", f"method {request.method.decode()} not allowed here")
             raise HttpApiError(404, "M_UNRECOGNIZED", "unrecognized request")
         except HttpApiError as e:
+            retry_ms = e.extra.get("retry_after_ms")
+            if isinstance(retry_ms, int) and e.code in (429, 503):
+                request.setHeader(b"Retry-After", str(max(1, -(-retry_ms // 1000))).encode())
             respond_json(request, e.code, e.to_json())
             REQUEST_SECONDS.labels(route=route, code=str(e.code)).observe(time.perf_counter() - started)
 

@@ -232,6 +232,19 @@ class ReplicationHandler:
         """This process's view of one writer's position (0 if never heard of)."""
         return self.views[stream].positions.get(instance, 0)
 
+    def add_writer(self, stream: str, instance: str, position: int) -> bool:
+        """Count ``instance`` as a writer of ``stream`` from ``position`` (a writer that joins by resharding).
+
+        ``position`` must be below every ID the writer can still complete, so
+        that no token this process makes passes one of them. A writer already
+        known keeps its position. Returns whether it was added.
+        """
+        view = self.views[stream]
+        if instance in view.positions:
+            return False
+        view.positions[instance] = position
+        return True
+
     def positions(self, stream: str) -> dict[str, int]:
         """Every known writer's position on a stream."""
         return dict(self.views[stream].positions)

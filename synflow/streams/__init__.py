@@ -184,6 +184,10 @@ class StreamDef:
             (returning an awaitable) when a writer of the stream starts, to
             re-record rows a crash committed without their audit records;
             None for none.
+        reshardable: writers join and leave while the deployment runs (``synflowctl
+            reshard``); a process of a worker type that writes the stream may then run
+            without being listed in ``stream_writers.<name>``, owning no keys until
+            resharded in. Only ``events`` reshards today.
     """
 
     name: str
@@ -201,6 +205,7 @@ class StreamDef:
     default_writers: tuple[str, ...] = ()
     schema: str | None = None
     recover_audit: Callable[[Any, Any, str], Awaitable[int]] | None = None
+    reshardable: bool = False
     row_to_db: Callable[[Any], Sequence[Any]] = lambda row: row.to_wire()
 
 
@@ -238,6 +243,7 @@ EVENTS: Final = StreamDef(
     shard_key=lambda row: row.room_id,
     default_writers=("master",),
     recover_audit=_recover_events_audit,
+    reshardable=True,
 )
 
 CACHES: Final = StreamDef(

@@ -19,12 +19,15 @@ Internal to synflow: not part of the public API (``synflow.api``).
 
 from __future__ import annotations
 
+import logging
 import secrets
 from typing import Any
 
 from synflow.caching import CacheRegistry, open_tier, tier_prefix
+from synflow.config import HostPort
 from synflow.events.persist import EventPersister, PersistResult
 from synflow.events.router import EventRouter, serve_persist
+from synflow.events.shards import RELOAD_RPC, ShardFollower, ShardState
 from synflow.events.sync import SyncHandler
 from synflow.federation.auth import (
     FEDERATION_PREFIX,
@@ -52,6 +55,8 @@ from synflow.storage.stores import DataStore
 from synflow.streams import EVENTS
 from synflow.tokens import StreamToken
 
+logger = logging.getLogger(__name__)
+
 
 class Homeserver(WorkerType):
     """The shared base of the built-in worker types (see the module docstring)."""
@@ -63,6 +68,7 @@ class Homeserver(WorkerType):
     store: DataStore
     persister: EventPersister | None = None
     router: EventRouter
+    shards: ShardFollower
     sync: SyncHandler
     client_api: ClientApi | None = None
     federation_inbound: Any = None
@@ -79,14 +85,24 @@ class Homeserver(WorkerType):
         await ctx.instances.ids_for(sorted(ctx.handler.positions(EVENTS.name)))
         self.store = DataStore(ctx.db)
         self.setup_caches(ctx)
-        if me in event_writers:
+        self.shards = ShardFollower(ctx.db, event_writers, ctx.clock, on_state=self.follow_shards)
+        await self.shards.reload()
+
+        async def reload_shards(args: Any) -> Any:
+            state = await self.shards.reload()
+            return {"epoch": state.current.epoch, "pending": None if state.pending is None else state.pending.epoch}
+
+        ctx.rpc.register(RELOAD_RPC, reload_shards)
+        if me in event_writers or me in self.shards.state.writers() or EVENTS.name in ctx.writers.generators:
             self.persister = EventPersister(
                 ctx.writers, server_name=config.server_name, instance_name=me,
                 event_writers=event_writers, clock=ctx.clock, new_event_id=self.new_event_id,
+                follower=self.shards,
             )
             serve_persist(ctx.rpc, self.persister)
             ctx.add_drain(self.persister.drain)
-        self.router = EventRouter(me, event_writers, self.persister, ctx.rpc_client, ctx.clock)
+        self.router = EventRouter(me, event_writers, self.persister, ctx.rpc_client, ctx.clock,
+                                  follower=self.shards, max_wait_s=config.limits.reshard_max_wait_s)
         self.sync = SyncHandler(self.store, ctx.handler, ctx.instances, ctx.clock, ctx.audit)
         if serving(config, "federation") is not None or self.signs_federation:
             self.signing_key = load_or_create_signing_key(config.signing_key_file)
@@ -100,6 +116,14 @@ class Homeserver(WorkerType):
 
     async def build_role(self, ctx: ProcessContext) -> None:
         """What this worker type adds (subclasses)."""
+
+    def follow_shards(self, state: ShardState) -> None:
+        """A new shard map: count its new writers from the epoch's floor, and learn their addresses."""
+        for writer in sorted(state.writers()):
+            if self.ctx.handler.add_writer(EVENTS.name, writer, max(1, state.floor)):
+                logger.info("events writer %s joins this process's view at %d", writer, max(1, state.floor))
+        for writer, (host, port) in state.addresses.items():
+            self.ctx.rpc_client.instance_map.setdefault(writer, HostPort(host, port))
 
     def setup_federation_inbound(self, ctx: ProcessContext) -> None:
         """Inbound ``/send`` and ``get_missing_events`` behind the signature check, and the key server."""

@@ -5,9 +5,11 @@ Internal to synflow: not part of the public API (``synflow.api``).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from synflow.errors import HttpApiError
+from synflow.events.shards import RESHARD_RPC, SHARDS_RPC, Resharder
 from synflow.federation.edus import EduQueue
 from synflow.framework import Capability, ProcessContext
 from synflow.replication.commands import FederationAckCommand
@@ -15,6 +17,8 @@ from synflow.streams import FEDERATION
 from synflow.worker_types._homeserver import Homeserver
 
 __all__ = ["Master"]
+
+_INSTANCE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 class Master(Homeserver):
@@ -26,6 +30,7 @@ class Master(Homeserver):
     reserved_instance_name = "master"
     requires_instance_map = False
     writes = (FEDERATION,)
+    resharder: Resharder
 
     async def build_role(self, ctx: ProcessContext) -> None:
         config = ctx.config
@@ -43,3 +48,33 @@ class Master(Homeserver):
             return await queue.queue([tuple(e) for e in edus])
 
         ctx.rpc.register("queue_edus", queue_edus)
+        self.setup_resharding(ctx)
+        await self.resharder.recover()
+
+    def setup_resharding(self, ctx: ProcessContext) -> None:
+        """The coordinator of live resharding and its RPCs (``reshard``, ``shards``; see ``synflowctl reshard``)."""
+        resharder = self.resharder = Resharder(ctx.db, self.shards, ctx.rpc_client,
+                                               lambda: sorted(ctx.rpc_client.instance_map), ctx.clock,
+                                               ctx.config.instance_name)
+
+        async def reshard(args: Any) -> Any:
+            if not isinstance(args, dict):
+                raise HttpApiError(400, "M_BAD_JSON", "reshard needs {op, writer[, address]}")
+            op, writer, address = args.get("op"), args.get("writer"), args.get("address")
+            if op not in ("add", "remove"):
+                raise HttpApiError(400, "M_INVALID_PARAM", "op must be 'add' or 'remove'")
+            if not isinstance(writer, str) or not _INSTANCE_NAME.fullmatch(writer):
+                raise HttpApiError(400, "M_INVALID_PARAM", "writer must be an instance name")
+            where: tuple[str, int] | None = None
+            if address is not None:
+                if not (isinstance(address, list) and len(address) == 2 and isinstance(address[0], str)
+                        and isinstance(address[1], int) and 0 < address[1] < 65536 and len(address[0]) <= 255):
+                    raise HttpApiError(400, "M_INVALID_PARAM", "address must be [host, port]")
+                where = (address[0], address[1])
+            return await resharder.reshard(op, writer, where)
+
+        async def shards(args: Any) -> Any:
+            return await resharder.describe()
+
+        ctx.rpc.register(RESHARD_RPC, reshard)
+        ctx.rpc.register(SHARDS_RPC, shards)

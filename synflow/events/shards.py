@@ -1,0 +1,494 @@
+"""Live resharding of the ``events`` stream: the shard map's epochs, the write fence, and the hand-over.
+
+Rooms map to persisters through a :class:`~synflow.sharding.ShardMap`: the
+configured ``stream_writers.events`` as its base, then one step per epoch (a
+persister added or removed). The epochs live in the database
+(``shard_epochs``), the current one and the hand-over in progress in
+``shard_state``; every process follows them (:class:`ShardFollower`).
+
+The hand-over rule (one coordinator, the master: :class:`Resharder`):
+
+1. **Propose.** Epoch ``e+1`` is written as *pending*, with the stream's last
+   allocated ID as its floor. From then on a persist transaction refuses
+   every event of a *moving* room (one whose owner differs between ``e`` and
+   ``e+1``) with ``M_ROOM_MOVING``; transactions that began under ``e`` have
+   finished before the proposal committed (the fence, below).
+2. **Prepare.** Every process reloads the map and answers. Each one adds the
+   new writer to its view of the stream at the floor -- below any ID the new
+   writer can take -- so no process's token can pass an event the new owner
+   has yet to finish; routers hold the sends of moving rooms.
+3. **Commit.** Epoch ``e+1`` becomes current. The new owners write the moved
+   rooms from the database's committed state (room heads, members), with IDs
+   from the shared sequence, so after every ID the old owner reserved.
+   Routers release the held sends to the new owners.
+
+If any process fails to answer the prepare, the epoch is rolled back: the old
+map stays, and held sends go back to the old owners. A master that restarts
+with a pending epoch rolls it back. Either way no write of a moving room
+could commit under the pending epoch.
+
+**The fence.** Every persist transaction reads its stream's ``shard_state``
+row -- on PostgreSQL ``FOR KEY SHARE``, which a coordinator's ``FOR UPDATE``
+waits for; on SQLite the write lock orders them -- and checks each event's
+room against the map it names. A persister whose view of the map is stale
+can therefore never write a room it does not own, whatever its in-memory
+state: the database decides.
+
+Internal to synflow: not part of the public API (``synflow.api``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final
+
+import attrs
+from twisted.internet.defer import Deferred, gatherResults
+from twisted.python.failure import Failure
+
+from synflow.errors import HttpApiError, ShardingError
+from synflow.metrics import gauge, histogram
+from synflow.sharding import ShardMap, ShardStep
+from synflow.storage.engines import Database, Txn
+from synflow.storage.id_generators import last_allocated_txn
+from synflow.streams import EVENTS
+
+logger = logging.getLogger(__name__)
+
+#: How often a router holding sends looks at the database for the end of a hand-over.
+POLL_S: Final = 0.1
+#: How long a send of a moving room waits at the router by default before 503 + ``Retry-After``.
+DEFAULT_MAX_WAIT_S: Final = 10.0
+#: The RPC every process serves to reload the map.
+RELOAD_RPC: Final = "shard_map_reload"
+#: The master's RPC that runs one reshard.
+RESHARD_RPC: Final = "reshard"
+#: The master's RPC that describes the map.
+SHARDS_RPC: Final = "shards"
+
+ROOMS_PER_WRITER = gauge("synflow_shard_rooms", "Rooms each event persister owns, as of the last epoch change",
+                         ["writer"])
+HANDOVERS_IN_PROGRESS = gauge("synflow_shard_handovers_in_progress", "Epoch changes proposed and not yet over")
+HANDOVER_SECONDS = histogram("synflow_shard_handover_seconds", "Time from proposing an epoch to its commit",
+                             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+SENDS_WAITING = gauge("synflow_shard_sends_waiting", "Sends held at this router while their room moves")
+SHARD_EPOCH = gauge("synflow_shard_epoch", "The shard-map epoch this process follows")
+
+
+@attrs.frozen
+class ShardState:
+    """The map a process follows: the current epoch's, and the pending one's during a hand-over."""
+
+    current: ShardMap
+    pending: ShardMap | None = None
+    #: Internal addresses of writers added by resharding: ``{name: (host, port)}``.
+    addresses: Mapping[str, tuple[str, int]] = attrs.field(factory=dict)
+    #: The stream's last allocated ID when the pending epoch was proposed.
+    floor: int = 0
+
+    @property
+    def key(self) -> tuple[int, int | None]:
+        return self.current.epoch, None if self.pending is None else self.pending.epoch
+
+    def moving(self, room_id: str) -> bool:
+        """Whether ``room_id`` changes owner in the hand-over in progress."""
+        return self.pending is not None and self.pending.owner(room_id) != self.current.owner(room_id)
+
+    def writers(self) -> set[str]:
+        """Every writer of the current and the pending map."""
+        return set(self.current.writers) | set(() if self.pending is None else self.pending.writers)
+
+
+# -- storage ------------------------------------------------------------------------------------
+
+
+def read_state_row_txn(txn: Txn, stream: str = EVENTS.name, *, lock: str = "") -> tuple[int, int | None]:
+    """``(epoch, pending)`` of ``stream``; ``lock`` is ``"share"`` (the fence) or ``"update"`` (the coordinator)."""
+    suffix = ""
+    if txn.engine.name == "postgres" and lock:
+        suffix = " FOR KEY SHARE" if lock == "share" else " FOR UPDATE"
+    txn.execute(f"SELECT epoch, pending FROM shard_state WHERE stream = ?{suffix}", (stream,))
+    row = txn.fetchone()
+    if row is None:
+        return 0, None
+    return int(row[0]), None if row[1] is None else int(row[1])
+
+
+def load_state_txn(txn: Txn, base: Sequence[str], stream: str = EVENTS.name, *, lock: str = "") -> ShardState:
+    """The stored map of ``stream``; ``base`` (the config's list) until the first reshard stores its own."""
+    epoch, pending = read_state_row_txn(txn, stream, lock=lock)
+    return _load_epochs_txn(txn, base, stream, epoch, pending)
+
+
+def _load_epochs_txn(txn: Txn, base: Sequence[str], stream: str, epoch: int, pending: int | None) -> ShardState:
+    txn.execute("SELECT epoch, op, writer, writers, address, state, floor_position FROM shard_epochs "
+                "WHERE stream = ? ORDER BY epoch", (stream,))
+    rows = txn.fetchall()
+    steps: list[ShardStep] = []
+    addresses: dict[str, tuple[str, int]] = {}
+    pending_step: ShardStep | None = None
+    floor = 0
+    for number, op, writer, writers, address, state, floor_position in rows:
+        number = int(number)
+        if number == 0:
+            base = json.loads(writers)
+            continue
+        if address:
+            host, port = json.loads(address)
+            addresses[writer] = (str(host), int(port))
+        if state == "current" and number <= epoch:
+            steps.append(ShardStep(op, writer))
+        elif number == pending and state == "pending":
+            pending_step = ShardStep(op, writer)
+            floor = int(floor_position)
+    current = ShardMap(base, steps, epoch)
+    return ShardState(current, None if pending_step is None else current.then(pending_step, pending),
+                      addresses, floor)
+
+
+class ShardFence:
+    """What a persist transaction checks: the stored map, read under the fence lock, cached by epoch."""
+
+    def __init__(self, base: Sequence[str], stream: str = EVENTS.name) -> None:
+        self.base = list(base)
+        self.stream = stream
+        self._cached: ShardState | None = None
+
+    def read_txn(self, txn: Txn) -> ShardState:
+        epoch, pending = read_state_row_txn(txn, self.stream, lock="share")
+        cached = self._cached
+        if cached is not None and cached.key == (epoch, pending):
+            return cached
+        state = self._cached = _load_epochs_txn(txn, self.base, self.stream, epoch, pending)
+        return state
+
+
+# -- following the map ---------------------------------------------------------------------------------
+
+
+class ShardFollower:
+    """One process's view of the map: reloaded on a coordinator's call, and polled while sends wait.
+
+    Args:
+        db: the deployment's database.
+        base: ``stream_writers.events``.
+        clock: for polling.
+        on_state: called with each new state (to add new writers to the replication view,
+            their addresses to the RPC client).
+    """
+
+    def __init__(self, db: Database, base: Sequence[str], clock: Any,
+                 on_state: Callable[[ShardState], None] | None = None) -> None:
+        self.db = db
+        self.base = list(base)
+        self.clock = clock
+        self.on_state = on_state
+        self.state = ShardState(ShardMap(self.base))
+        self._loading = False
+        self._next: list[Deferred[ShardState]] = []
+        self._waiters: list[Deferred[bool]] = []
+        self._poll: Any = None
+
+    def owner_for_send(self, room_id: str) -> str | None:
+        """The persister to send ``room_id``'s events to now; None while the room moves."""
+        state = self.state
+        if state.moving(room_id):
+            return None
+        return state.current.owner(room_id)
+
+    def reload(self) -> Deferred[ShardState]:
+        """Read the map from the database and apply it.
+
+        Callers share reads, but never one that began before their call: a
+        reload asked for during a read waits for the next read, so it sees
+        every change committed before it was asked for.
+        """
+        d: Deferred[ShardState] = Deferred()
+        self._next.append(d)
+        if not self._loading:
+            self._read()
+        return d
+
+    def _read(self) -> None:
+        self._loading = True
+        waiters, self._next = self._next, []
+        d = self.db.run_interaction("load_shard_map", load_state_txn, self.base, read_only=True, idempotent=True)
+
+        def done(result: Any) -> None:
+            self._loading = False
+            if isinstance(result, Failure):
+                for w in waiters:
+                    w.errback(result)
+            else:
+                self.apply(result)
+                for w in waiters:
+                    w.callback(result)
+            if self._next:
+                self._read()
+
+        d.addBoth(done)
+
+    def apply(self, state: ShardState) -> None:
+        """Follow ``state`` if it differs from the one followed; wakes every waiter."""
+        if state.key == self.state.key:
+            return
+        logger.info("shard map: epoch %d%s, writers %s", state.current.epoch,
+                    "" if state.pending is None else f" (epoch {state.pending.epoch} pending)",
+                    list(state.current.writers))
+        self.state = state
+        SHARD_EPOCH.set(state.current.epoch)
+        if self.on_state is not None:
+            self.on_state(state)
+        waiters, self._waiters = self._waiters, []
+        for w in waiters:
+            if not w.called:
+                w.callback(True)
+
+    async def wait_for_change(self, timeout_s: float) -> bool:
+        """Wait until the followed state changes (polling the database); False after ``timeout_s``."""
+        d: Deferred[bool] = Deferred()
+        self._waiters.append(d)
+
+        def expire() -> None:
+            if not d.called:
+                d.callback(False)
+
+        timer = self.clock.callLater(timeout_s, expire)
+        self._start_polling()
+        try:
+            return await d
+        finally:
+            if timer.active():
+                timer.cancel()
+
+    def _start_polling(self) -> None:
+        if self._poll is None or not self._poll.active():
+            self._poll = self.clock.callLater(POLL_S, self._poll_once)
+
+    def _poll_once(self) -> None:
+        self._poll = None
+        if not any(not w.called for w in self._waiters):
+            self._waiters = []
+            return
+
+        def again(_: Any) -> None:
+            if self._waiters:
+                self._start_polling()
+
+        self.reload().addErrback(lambda f: logger.warning("reloading the shard map failed: %s",
+                                                          f.getErrorMessage())).addBoth(again)
+
+
+# -- the coordinator -----------------------------------------------------------------------------------
+
+
+class Resharder:
+    """Runs hand-overs, one at a time, on the master.
+
+    Args:
+        db: the database.
+        follower: the master's own :class:`ShardFollower`.
+        rpc_client: calls every process's :data:`RELOAD_RPC`.
+        instances: every process of the deployment (``instance_map``).
+        clock: timestamps.
+    """
+
+    def __init__(self, db: Database, follower: ShardFollower, rpc_client: Any, instances: Callable[[], Sequence[str]],
+                 clock: Any, self_name: str) -> None:
+        self.db = db
+        self.follower = follower
+        self.rpc = rpc_client
+        self.instances = instances
+        self.clock = clock
+        self.self_name = self_name
+        self.busy = False
+
+    async def recover(self) -> None:
+        """At start-up: roll back a hand-over a previous master left pending."""
+        state = await self.db.run_interaction("load_shard_map", load_state_txn, self.follower.base, idempotent=True)
+        if state.pending is not None:
+            logger.warning("rolling back epoch %d, left pending by a previous master", state.pending.epoch)
+            await self._finish(state.pending.epoch, commit=False)
+        await self.follower.reload()
+        self._count_rooms(self.follower.state.current)
+
+    async def describe(self) -> dict[str, Any]:
+        """The current epoch, rooms per writer, the hand-over in progress and the epochs' history."""
+        state = await self.follower.reload()
+        rooms = await self.db.run_interaction("shard_rooms", _room_ids_txn, read_only=True)
+        per_writer = {w: 0 for w in state.current.writers}
+        for room in rooms:
+            owner = state.current.owner(room)
+            per_writer[owner] = per_writer.get(owner, 0) + 1
+        history = await self.db.run_interaction("shard_history", _history_txn, read_only=True)
+        return {
+            "stream": EVENTS.name, "epoch": state.current.epoch, "writers": list(state.current.writers),
+            "rooms": per_writer,
+            "pending": None if state.pending is None else {
+                "epoch": state.pending.epoch, "writers": list(state.pending.writers),
+                "moving_rooms": sum(1 for r in rooms if state.moving(r))},
+            "history": history,
+        }
+
+    async def reshard(self, op: str, writer: str, address: tuple[str, int] | None = None) -> dict[str, Any]:
+        """Add or remove ``writer``: propose, prepare every process, commit (or roll back).
+
+        Raises:
+            HttpApiError: 409 if a hand-over is already in progress or the change is impossible;
+                503 if a process did not answer the prepare (the epoch was rolled back).
+        """
+        if op not in ("add", "remove"):
+            raise HttpApiError(400, "M_INVALID_PARAM", f"op must be add or remove, not {op!r}")
+        if op == "add" and address is None and writer not in self.rpc.instance_map:
+            raise HttpApiError(400, "M_INVALID_PARAM", f"adding {writer!r} needs its internal address")
+        if self.busy:
+            raise HttpApiError(409, "M_HANDOVER_IN_PROGRESS", "a hand-over is already in progress")
+        self.busy = True
+        HANDOVERS_IN_PROGRESS.inc()
+        started = time.perf_counter()
+        try:
+            try:
+                epoch, new_map, old_map = await self.db.run_interaction(
+                    "propose_epoch", _propose_txn, self.follower.base, ShardStep(op, writer),  # type: ignore[arg-type]
+                    None if address is None else list(address), int(self.clock.seconds() * 1000))
+            except ShardingError as e:
+                raise HttpApiError(409, "M_INVALID_PARAM", str(e)) from None
+            if address is not None:
+                self.rpc.instance_map.setdefault(writer, _host_port(address))
+            failed = await self._prepare(epoch, writer if op == "add" else None)
+            if failed:
+                await self._finish(epoch, commit=False)
+                await self._broadcast()
+                raise HttpApiError(503, "M_HANDOVER_FAILED",
+                                   f"epoch {epoch} rolled back: {'; '.join(failed)}", retry_after_ms=1000)
+            rooms = await self.db.run_interaction("shard_rooms", _room_ids_txn, read_only=True)
+            moved = sum(1 for r in rooms if new_map.owner(r) != old_map.owner(r))
+            await self._finish(epoch, commit=True, moved=moved, total=len(rooms))
+            await self._broadcast()
+            seconds = time.perf_counter() - started
+            HANDOVER_SECONDS.observe(seconds)
+            self._count_rooms(new_map, rooms)
+            logger.info("epoch %d is current: %s %s; %d of %d rooms moved in %.3fs", epoch, op, writer, moved,
+                        len(rooms), seconds)
+            return {"epoch": epoch, "op": op, "writer": writer, "writers": list(new_map.writers),
+                    "rooms_moved": moved, "rooms_total": len(rooms), "seconds": round(seconds, 4)}
+        finally:
+            self.busy = False
+            HANDOVERS_IN_PROGRESS.dec()
+
+    async def _prepare(self, epoch: int, joining: str | None) -> list[str]:
+        """Every process reloads the map; the problems of those that did not follow epoch ``epoch``."""
+        names = sorted({*self.instances(), *([joining] if joining else [])})
+
+        async def one(name: str) -> str | None:
+            try:
+                if name == self.self_name:
+                    state = await self.follower.reload()
+                    pending = None if state.pending is None else state.pending.epoch
+                else:
+                    answer = await self.rpc.call(name, RELOAD_RPC, {})
+                    pending = answer.get("pending") if isinstance(answer, dict) else None
+            except HttpApiError as e:
+                if e.code == 404 and e.errcode == "M_UNRECOGNIZED":
+                    return None  # a process that does not follow the events stream
+                return f"{name}: {e.msg}"
+            except Exception as e:  # any failure of one process counts
+                return f"{name}: {type(e).__name__}: {e}"
+            return None if pending == epoch else f"{name} follows pending epoch {pending}, not {epoch}"
+
+        answers = await gatherResults([Deferred.fromCoroutine(one(n)) for n in names], consumeErrors=True)
+        return [a for a in answers if a is not None]
+
+    async def _finish(self, epoch: int, *, commit: bool, moved: int | None = None, total: int | None = None) -> None:
+        await self.db.run_interaction("finish_epoch", _finish_txn, epoch, commit, moved, total,
+                                      int(self.clock.seconds() * 1000))
+        await self.follower.reload()
+
+    async def _broadcast(self) -> None:
+        """Tell every process to reload (best effort: routers holding sends also poll)."""
+        async def one(name: str) -> None:
+            try:
+                await self.rpc.call(name, RELOAD_RPC, {})
+            except Exception as e:  # any failure of one process counts
+                logger.info("%s did not reload the shard map now (%s); it will on its own", name, e)
+
+        names = [n for n in self.instances() if n != self.self_name]
+        await gatherResults([Deferred.fromCoroutine(one(n)) for n in names], consumeErrors=True)
+
+    def _count_rooms(self, shard_map: ShardMap, rooms: Sequence[str] | None = None) -> None:
+        if rooms is None:
+            return
+        counts = {w: 0 for w in shard_map.writers}
+        for room in rooms:
+            counts[shard_map.owner(room)] += 1
+        ROOMS_PER_WRITER.clear()
+        for w, n in counts.items():
+            ROOMS_PER_WRITER.labels(writer=w).set(n)
+
+
+def _host_port(address: tuple[str, int]) -> Any:
+    from synflow.config import HostPort
+
+    return HostPort(address[0], int(address[1]))
+
+
+def _propose_txn(txn: Txn, base: Sequence[str], step: ShardStep, address: list[Any] | None,
+                 now_ms: int) -> tuple[int, ShardMap, ShardMap]:
+    epoch, pending = read_state_row_txn(txn, EVENTS.name, lock="update")
+    if pending is not None:
+        raise HttpApiError(409, "M_HANDOVER_IN_PROGRESS", f"epoch {pending} is still being handed over")
+    state = _load_epochs_txn(txn, base, EVENTS.name, epoch, None)
+    new_map = state.current.then(step)  # raises ShardingError for an impossible change
+    txn.execute("SELECT COALESCE(MAX(epoch), 0) FROM shard_epochs WHERE stream = ?", (EVENTS.name,))
+    row = txn.fetchone()
+    number = max(int(row[0]) if row else 0, epoch) + 1
+    new_map = state.current.then(step, number)
+    floor = last_allocated_txn(txn, EVENTS)
+    if _no_base_txn(txn):
+        txn.execute("INSERT INTO shard_epochs (stream, epoch, op, writer, writers, address, state, floor_position, "
+                    "proposed_ts, finished_ts) VALUES (?, 0, 'base', '', ?, NULL, 'current', ?, ?, ?)",
+                    (EVENTS.name, json.dumps(list(state.current.base)), floor, now_ms, now_ms))
+    txn.execute("INSERT INTO shard_epochs (stream, epoch, op, writer, writers, address, state, floor_position, "
+                "proposed_ts) VALUES (?, ?, ?, ?, ?, ?, 'pending', ?, ?)",
+                (EVENTS.name, number, step.op, step.writer, json.dumps(list(new_map.writers)),
+                 None if address is None else json.dumps(address), floor, now_ms))
+    txn.execute("UPDATE shard_state SET pending = ? WHERE stream = ?", (number, EVENTS.name))
+    return number, new_map, state.current
+
+
+def _no_base_txn(txn: Txn) -> bool:
+    txn.execute("SELECT 1 FROM shard_epochs WHERE stream = ? AND epoch = 0", (EVENTS.name,))
+    return txn.fetchone() is None
+
+
+def _finish_txn(txn: Txn, epoch: int, commit: bool, moved: int | None, total: int | None, now_ms: int) -> None:
+    _, pending = read_state_row_txn(txn, EVENTS.name, lock="update")
+    if pending != epoch:
+        raise HttpApiError(409, "M_HANDOVER_IN_PROGRESS", f"epoch {epoch} is not pending (pending: {pending})")
+    if commit:
+        txn.execute("UPDATE shard_state SET epoch = ?, pending = NULL WHERE stream = ?", (epoch, EVENTS.name))
+    else:
+        txn.execute("UPDATE shard_state SET pending = NULL WHERE stream = ?", (EVENTS.name,))
+    txn.execute("UPDATE shard_epochs SET state = ?, finished_ts = ?, rooms_moved = ?, rooms_total = ? "
+                "WHERE stream = ? AND epoch = ?",
+                ("current" if commit else "rolled_back", now_ms, moved, total, EVENTS.name, epoch))
+
+
+def _room_ids_txn(txn: Txn) -> list[str]:
+    txn.execute("SELECT room_id FROM rooms")
+    return [r[0] for r in txn.fetchall()]
+
+
+def _history_txn(txn: Txn) -> list[dict[str, Any]]:
+    txn.execute("SELECT epoch, op, writer, writers, state, proposed_ts, finished_ts, rooms_moved, rooms_total "
+                "FROM shard_epochs WHERE stream = ? ORDER BY epoch", (EVENTS.name,))
+    keys = ("epoch", "op", "writer", "writers", "state", "proposed_ts", "finished_ts", "rooms_moved", "rooms_total")
+    out = []
+    for row in txn.fetchall():
+        item = dict(zip(keys, row, strict=True))
+        item["writers"] = json.loads(item["writers"])
+        out.append(item)
+    return out
