@@ -130,7 +130,7 @@ class ConfigTest(_ConfigFiles):
         """A persister missing from instance_map, or a misnamed master, is refused; an unlisted persister may
         run (``events`` reshards: it owns no rooms until ``synflowctl reshard --add`` moves some to it)."""
         persister = "app: event_persister\ninstance_name: p9\n"
-        self.assertConfigError("own.yaml", "instance_map", "missing from instance_map", own=persister)
+        self.assertConfigError("shared.yaml", "instance_map", "missing from instance_map", own=persister)
         config = self.load(SHARED.replace("p1: {", "p9: {host: 127.0.0.1, port: 9099}\n  p1: {"), persister)
         self.assertEqual(config.instance_name, "p9")
         self.assertNotIn("p9", config.writers_of(EVENTS))
