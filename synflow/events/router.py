@@ -28,7 +28,13 @@ from twisted.python.failure import Failure
 
 from synflow.errors import HttpApiError, WrongPersister
 from synflow.events.persist import EventPersister, EventSpec, PersistResult
-from synflow.events.shards import DEFAULT_MAX_WAIT_S, SENDS_WAITING, ShardFollower
+from synflow.events.shards import (
+    DEFAULT_MAX_WAIT_S,
+    SENDS_HELD,
+    SENDS_REROUTED,
+    SENDS_WAITING,
+    ShardFollower,
+)
 from synflow.http.rpc import RpcClient, RpcServer
 from synflow.http.server import refusal_from_status, refusal_status
 from synflow.sharding import shard_for
@@ -111,10 +117,12 @@ class EventRouter:
                 break
             if retry:
                 self.rerouted += len(retry)
+                SENDS_REROUTED.inc(len(retry))
                 await follower.reload()
             if held or (retry and all(follower.state.moving(specs[i].room_id) for i in retry)):
                 waiting = len(todo)
                 self.held += waiting
+                SENDS_HELD.inc(waiting)
                 SENDS_WAITING.inc(waiting)
                 try:
                     await follower.wait_for_change(remaining)

@@ -235,8 +235,11 @@ class RpcClient:
     def close(self) -> Deferred[None]:
         return self.pool.close()
 
-    async def call(self, instance: str, name: str, args: Any) -> Any:
-        """Call ``name`` on ``instance``; returns its result or raises its HttpApiError."""
+    async def call(self, instance: str, name: str, args: Any, *, attempts: int = MAX_ATTEMPTS) -> Any:
+        """Call ``name`` on ``instance``; returns its result or raises its HttpApiError.
+
+        A refused connection, a timeout or a stopping peer is retried with backoff, ``attempts`` times in all.
+        """
         address = self.instance_map.get(instance)
         if address is None:
             raise HttpApiError(502, "M_UNKNOWN", f"instance {instance!r} is not in instance_map")
@@ -244,7 +247,7 @@ class RpcClient:
         path = f"{PREFIX}/{name}/{txn_id}"
         body = json.dumps({"args": args, "positions": self.positions.own_positions()}).encode()
         last_error: Exception | None = None
-        for attempt in range(1, MAX_ATTEMPTS + 1):
+        for attempt in range(1, attempts + 1):
             try:
                 started = time.perf_counter()
                 code, content = await self._post(address, path, body)

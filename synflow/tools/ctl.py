@@ -4,7 +4,18 @@
     synflowctl stop    [DIR] [--config FILE]...
     synflowctl restart [DIR] [--config FILE]...
     synflowctl status  [DIR] [--config FILE]...
+    synflowctl reshard [DIR] (--add NAME | --remove NAME) [--config FILE]...
+    synflowctl shards  [DIR] [--config FILE]...
     synflowctl plugins
+
+``reshard --add NAME`` starts the event persister ``NAME`` from its file in
+``DIR`` (``NAME.yaml``, or any file with that ``instance_name``) and, once it
+is healthy, asks the master to move to it the rooms it now owns: a new
+shard-map epoch, handed over with no restart and nothing lost (see
+``docs/operations.md``). ``reshard --remove NAME`` moves ``NAME``'s rooms to
+the other persisters, then stops it. ``shards`` prints the current epoch,
+the rooms each persister owns, the hand-over in progress and the epochs'
+history. Both talk to the master's internal RPC with the deployment's secret.
 
 ``plugins`` lists the worker types (``app:`` values) and streams installed:
 synflow's own and every distribution's ``synflow.apps`` / ``synflow.streams``
@@ -45,6 +56,7 @@ import argparse
 import difflib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -65,6 +77,7 @@ from synflow.config import (
 )
 from synflow.endpoints import tcp_address
 from synflow.errors import ConfigError
+from synflow.http.rpc import PREFIX as RPC_PREFIX
 from synflow.listeners import INTERNAL, effective_listeners
 from synflow.tools.prometheus import scrape_config
 
@@ -508,12 +521,110 @@ def _tail(path: str, lines: int = 30) -> str:
         return f"(no log at {path})"
 
 
+class RpcCallError(Exception):
+    """An internal RPC that synflowctl made failed; the message says why."""
+
+
+def call_rpc(config: SynflowConfig, instance: str, name: str, args: Any, timeout: float = 60.0) -> Any:
+    """Call ``name`` on ``instance``'s internal listener with the deployment's secret; returns its result.
+
+    Raises:
+        RpcCallError: the instance is unreachable or answered an error.
+    """
+    address = config.instance_map.get(instance)
+    if address is None:
+        raise RpcCallError(f"{instance!r} is not in instance_map")
+    secret = config.replication_secret()
+    url = f"http://{address.host}:{address.port}{RPC_PREFIX}/{name}/{secrets.token_urlsafe(12)}"
+    headers = {"Content-Type": "application/json"}
+    if secret is not None:
+        headers["Authorization"] = f"Bearer {secret}"
+    request = urllib.request.Request(url, data=json.dumps({"args": args, "positions": {}}).encode(),
+                                     headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read()).get("result")
+    except urllib.error.HTTPError as e:
+        try:
+            body = json.loads(e.read())
+        except ValueError:
+            body = {}
+        raise RpcCallError(f"{instance} answered {e.code} {body.get('errcode', '')}: "
+                           f"{body.get('error', e.reason)}") from None
+    except (OSError, ValueError) as e:
+        raise RpcCallError(f"cannot reach {instance} at {address.host}:{address.port} ({e})") from None
+
+
+def _master(procs: list[Proc]) -> Proc:
+    for proc in procs:
+        if proc.config.instance_name == "master":
+            return proc
+    raise RpcCallError("no master in this deployment directory")
+
+
+def _proc_named(procs: list[Proc], name: str) -> Proc:
+    for proc in procs:
+        if proc.config.instance_name == name:
+            return proc
+    raise RpcCallError(f"no process {name!r} in this deployment directory (add {name}.yaml first)")
+
+
+def reshard(procs: list[Proc], op: str, name: str, out: Any = None) -> int:
+    """``reshard --add NAME`` / ``--remove NAME`` (see the module docstring); 0 on success, 1 on failure."""
+    out = out if out is not None else sys.stdout
+    try:
+        master, proc = _master(procs), _proc_named(procs, name)
+        if op == "add":
+            if start([proc], out) != 0:
+                return 1
+            address = proc.config.instance_map.get(name)
+            if address is None:
+                raise RpcCallError(f"{name} is not in its own instance_map")
+            result = call_rpc(master.config, "master", "reshard",
+                              {"op": "add", "writer": name, "address": [address.host, address.port]})
+        else:
+            result = call_rpc(master.config, "master", "reshard", {"op": "remove", "writer": name})
+    except (RpcCallError, ConfigError) as e:
+        out.write(f"synflowctl: reshard failed: {e}\n")
+        return 1
+    out.write(f"  epoch {result['epoch']}: {op} {name}; {result['rooms_moved']} of {result['rooms_total']} rooms moved "
+              f"in {result['seconds'] * 1000:.0f} ms; writers {', '.join(result['writers'])}\n")
+    if op == "remove":
+        return stop([proc], out)
+    return 0
+
+
+def shards(procs: list[Proc], out: Any = None) -> int:
+    """``shards``: the current epoch, rooms per persister, the hand-over in progress, the history."""
+    out = out if out is not None else sys.stdout
+    try:
+        info = call_rpc(_master(procs).config, "master", "shards", {})
+    except (RpcCallError, ConfigError) as e:
+        out.write(f"synflowctl: {e}\n")
+        return 1
+    out.write(f"events: epoch {info['epoch']}, writers {', '.join(info['writers'])}\n")
+    for writer, rooms in sorted(info["rooms"].items()):
+        out.write(f"  {writer:<22} {rooms} rooms\n")
+    pending = info.get("pending")
+    out.write("hand-over in progress: " + ("none" if pending is None else
+              f"epoch {pending['epoch']} ({pending['moving_rooms']} rooms moving)") + "\n")
+    for h in info["history"]:
+        moved = "" if h["rooms_moved"] is None else f", {h['rooms_moved']}/{h['rooms_total']} rooms moved"
+        out.write(f"  epoch {h['epoch']}: {h['op']} {h['writer'] or '-'} -> {', '.join(h['writers'])} "
+                  f"[{h['state']}{moved}]\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="synflowctl", description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("command", choices=("start", "stop", "restart", "status", "prometheus-config", "plugins"))
+    parser.add_argument("command", choices=("start", "stop", "restart", "status", "prometheus-config", "plugins",
+                                            "reshard", "shards"))
     parser.add_argument("directory", nargs="?", default="workers")
     parser.add_argument("--config", action="append", default=[],
                         help="a file appended to every process's config list, or an overlay directory of more processes")
+    change = parser.add_mutually_exclusive_group()
+    change.add_argument("--add", metavar="NAME", help="reshard: start event persister NAME and move rooms to it")
+    change.add_argument("--remove", metavar="NAME", help="reshard: move NAME's rooms away, then stop it")
     parser.epilog = "plugins: list the worker types and streams installed (synflow.apps / synflow.streams entry points)"
     args = parser.parse_args(argv)
     if args.command == "plugins":
@@ -538,6 +649,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "prometheus-config":
         sys.stdout.write(scrape_config(procs))
         return 0
+    if args.command == "reshard":
+        if not (args.add or args.remove):
+            parser.error("reshard needs --add NAME or --remove NAME")
+        return reshard(procs, "add" if args.add else "remove", args.add or args.remove)
+    if args.command == "shards":
+        return shards(procs)
     return status(procs)
 
 

@@ -136,6 +136,8 @@ class Workload:
         self.sent_at: dict[str, float] = {}
         self.visible_at: dict[str, float] = {}
         self.send_latencies: list[float] = []
+        #: (monotonic start, latency in ms) of every successful send, in completion order.
+        self.send_log: list[tuple[float, float]] = []
         self.send_errors = 0
         #: Attempts that failed (5xx, 429 or a connection error) and were retried with the same txn_id.
         self.send_retries = 0
@@ -276,6 +278,7 @@ class Workload:
             return
         now = time.monotonic()
         self.send_latencies.append((now - t0) * 1000)
+        self.send_log.append((t0, (now - t0) * 1000))
         self.sent[room_id].append(result["event_id"])
         self.sent_at[result["event_id"]] = t0
         done[0] += 1

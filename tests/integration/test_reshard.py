@@ -1,0 +1,264 @@
+"""Live resharding with real processes: 2 -> 3 -> 2 event persisters under continuous traffic.
+
+A master and persister1 serve the client API; persister1 and persister2 own
+the rooms at first, persister3 runs idle. While every user's sync chain runs
+and messages are sent at a steady rate, the master adds persister3 (epoch 1)
+and then removes persister2 (epoch 2). The checks come from the clients'
+responses, the database and the Spark validator over the audit logs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+from twisted.internet import threads
+from twisted.internet.defer import ensureDeferred, inlineCallbacks
+from twisted.trial.unittest import TestCase
+
+from synflow.config import load_config
+from synflow.sharding import ShardMap, ShardStep
+from synflow.tools.ctl import RpcCallError, call_rpc
+from synflow.tools.workload import Workload, quantile
+from tests.cluster import Cluster, free_port, sleep, wait_until
+
+WRITERS = ("persister1", "persister2")
+ALL = (*WRITERS, "persister3")
+
+
+class ReshardMixin:
+    engine = "sqlite"
+    transport = "tcp"
+    timeout = 400
+
+    @inlineCallbacks
+    def start(self):
+        cluster = Cluster(self, engine=self.engine, transport=self.transport, writers=WRITERS,
+                          extra_instances=("persister3",))
+        ports = {"master": free_port(), "persister1": free_port()}
+        listeners = {n: [{"resources": ["client"], "endpoint": f"tcp:{p}:interface=127.0.0.1"}] for n, p in ports.items()}
+        yield cluster.start_master(listeners=listeners["master"])
+        cluster.start_twistd("persister1", "event_persister", listeners=listeners["persister1"])
+        for name in ALL[1:]:
+            cluster.start_twistd(name, "event_persister")
+        for name in ALL:
+            yield cluster.wait_for_port(cluster.instance_ports[name], name)
+        self.urls = [f"http://127.0.0.1:{p}" for p in ports.values()]
+        self.master_config = load_config([cluster.shared_path, cluster.process_config("master", "master")])
+        return cluster
+
+    def rpc(self, name: str, args: Any):
+        return threads.deferToThread(call_rpc, self.master_config, "master", name, args)
+
+    def room_writers(self, cluster: Cluster) -> dict[str, list[str]]:
+        """Each room's writers in stream order, runs collapsed."""
+        runs: dict[str, list[str]] = {}
+        for room, writer in cluster.query("SELECT room_id, instance_name FROM events ORDER BY stream_ordering"):
+            seq = runs.setdefault(room, [])
+            if not seq or seq[-1] != writer:
+                seq.append(writer)
+        return runs
+
+    @inlineCallbacks
+    def test_two_to_three_to_two_under_load(self):
+        """Add then remove a persister while sends and sync chains run: nothing lost, duplicated or reordered."""
+        cluster = yield self.start()
+        workload = Workload(self.urls, users=40, rooms=240, members_per_room=3, messages=1800, concurrency=16, seed=11)
+        self.addCleanup(lambda: ensureDeferred(workload.close()))
+        yield ensureDeferred(workload.setup())
+        chains = ensureDeferred(workload.sync_chains())
+        sending = ensureDeferred(workload.send_messages(rate_per_s=150))
+        import time
+
+        yield sleep(3.0)
+        changes = []
+        for op, name in (("add", "persister3"), ("remove", "persister2")):
+            started = time.monotonic()
+            result = yield self.rpc("reshard", {"op": op, "writer": name})
+            changes.append((started, time.monotonic(), result))
+            yield sleep(3.0)
+        self.assertFalse(sending.called, "the sends finished before the last change")
+        yield sending
+        workload.stop_syncing()
+        yield chains
+        yield ensureDeferred(workload.drain())
+        report = workload.verify()
+        self.assertEqual(report.send_errors, 0)
+        self.assertEqual(report.sent, 1800)
+        self.assertEqual((report.lost, report.duplicated, report.order_mismatches, report.foreign), (0, 0, 0, 0),
+                         report.as_dict())
+
+        # The epochs: each change moved exactly the rooms whose owner changed, and about the ideal share.
+        m0 = ShardMap(list(WRITERS))
+        m1 = m0.then(ShardStep("add", "persister3"))
+        m2 = m1.then(ShardStep("remove", "persister2"))
+        self.assertEqual([c[2]["epoch"] for c in changes], [1, 2])
+        self.assertEqual(changes[1][2]["writers"], ["persister1", "persister3"])
+        rooms = [r for (r,) in cluster.query("SELECT room_id FROM rooms")]
+        for (_, _, result), (before, after) in zip(changes, ((m0, m1), (m1, m2)), strict=True):
+            moved = sum(1 for r in rooms if before.owner(r) != after.owner(r))
+            self.assertEqual(result["rooms_moved"], moved)
+            self.assertEqual(result["rooms_total"], len(rooms))
+        add_fraction = changes[0][2]["rooms_moved"] / len(rooms)
+        self.assertLess(abs(add_fraction - 1 / 3), 0.1, f"adding moved {add_fraction:.1%} of the rooms")
+        owned_by_2 = sum(1 for r in rooms if m1.owner(r) == "persister2")
+        self.assertEqual(changes[1][2]["rooms_moved"], owned_by_2)  # removing moves only persister2's rooms
+
+        # No room ever had two writers at once: its writers, in stream order, are its owners epoch by epoch.
+        for room, writers in self.room_writers(cluster).items():
+            owners = []
+            for m in (m0, m1, m2):
+                if not owners or owners[-1] != m.owner(room):
+                    owners.append(m.owner(room))
+            self.assertTrue(_is_subsequence(writers, owners), f"room {room}: writers {writers}, owners {owners}")
+        moved_rooms_written = {r for r, w in self.room_writers(cluster).items() if len(w) > 1}
+        self.assertTrue(moved_rooms_written, "no moved room was written before and after its move")
+
+        # No send waited 2 s or more; p99 during the changes beside the steady state.
+        during = [lat for t0, lat in workload.send_log if any(a - 0.5 <= t0 <= b + 0.5 for a, b, _ in changes)]
+        steady = [lat for t0, lat in workload.send_log if not any(a - 0.5 <= t0 <= b + 0.5 for a, b, _ in changes)]
+        self.assertTrue(during)
+        self.assertLess(max(workload.send_latencies), 2000.0)
+        self.report = {"p99_during_ms": quantile(during, 0.99), "p99_steady_ms": quantile(steady, 0.99)}
+
+        # The shard map as the master describes it, and the metrics.
+        info = yield self.rpc("shards", {})
+        self.assertEqual((info["epoch"], info["writers"], info["pending"]), (2, ["persister1", "persister3"], None))
+        self.assertEqual(sum(info["rooms"].values()), len(rooms))
+        self.assertEqual([h["state"] for h in info["history"]], ["current", "current", "current"])
+        metrics = cluster.metrics("master")
+        self.assertEqual(metrics['synflow_shard_rooms{writer="persister1"}'] + metrics['synflow_shard_rooms{writer="persister3"}'],
+                         len(rooms))
+        self.assertEqual(metrics["synflow_shard_handover_seconds_count"], 2)
+
+        # The validator over every writer's audit log: clean, sharding_violation included.
+        from tests.spark._session import summary, validate, violations
+
+        out = os.path.join(cluster.dir, "validation")
+        code = validate(cluster.shared["audit"]["dir"], out)
+        self.assertEqual((code, violations(out)), (0, []))
+        run = summary(out)
+        self.assertIn("sharding_violation", run["parameters"]["checks"])
+        self.assertEqual(run["checks"]["sharding_violation"]["count"], 0)
+        self.assertEqual(run["inputs"]["writer_logs"]["writers"], 3)  # persister1, 2 and 3 wrote events
+
+    @inlineCallbacks
+    def test_dead_persisters(self):
+        """A hand-over to a SIGKILLed persister rolls back; a SIGKILLed owner is removed under load, losing nothing."""
+        cluster = yield self.start()
+        workload = Workload(self.urls, users=16, rooms=60, members_per_room=2, messages=600, concurrency=8, seed=5)
+        self.addCleanup(lambda: ensureDeferred(workload.close()))
+        yield ensureDeferred(workload.setup())
+        chains = ensureDeferred(workload.sync_chains())
+        # The new owner dies before the hand-over: it cannot follow the new epoch, which rolls back.
+        cluster.signal("persister3", signal.SIGKILL)
+        yield wait_until(lambda: cluster.procs["persister3"].poll() is not None, 10, "persister3 to die")
+        try:
+            yield self.rpc("reshard", {"op": "add", "writer": "persister3"})
+        except RpcCallError as e:
+            self.assertIn("M_HANDOVER_FAILED", str(e))
+            self.assertIn("persister3", str(e))
+        else:
+            self.fail("a hand-over to a dead persister committed")
+        info = yield self.rpc("shards", {})
+        self.assertEqual((info["epoch"], info["pending"], info["history"][-1]["state"]), (0, None, "rolled_back"))
+        # An owner dies under load; removing it moves its rooms to persister1, and the sends go on there.
+        sending = ensureDeferred(workload.send_messages(rate_per_s=120))
+        while sum(len(v) for v in workload.sent.values()) < 150:
+            yield sleep(0.1)
+        cluster.signal("persister2", signal.SIGKILL)
+        yield wait_until(lambda: cluster.procs["persister2"].poll() is not None, 10, "persister2 to die")
+        result = yield self.rpc("reshard", {"op": "remove", "writer": "persister2"})
+        self.assertEqual((result["epoch"], result["writers"]), (2, ["persister1"]))
+        self.assertFalse(sending.called, "the sends finished before the removal")
+        yield sending
+        workload.stop_syncing()
+        yield chains
+        yield ensureDeferred(workload.drain())
+        report = workload.verify()
+        self.assertEqual((report.send_errors, report.sent), (0, 600))
+        self.assertEqual((report.lost, report.duplicated, report.order_mismatches), (0, 0, 0), report.as_dict())
+        # Every room persister2 owned got messages from persister1 after the removal.
+        late = {r for (r,) in cluster.query("SELECT DISTINCT room_id FROM events WHERE instance_name = 'persister1' "
+                                            "AND type = 'm.room.message'")}
+        p2_rooms = {r for (r,) in cluster.query("SELECT DISTINCT room_id FROM events WHERE instance_name = 'persister2'")}
+        self.assertTrue(p2_rooms & late, "no room of persister2 was written by persister1 after the removal")
+        self.assertEqual({w for (w,) in cluster.query("SELECT DISTINCT instance_name FROM events")}, set(WRITERS))
+
+    @inlineCallbacks
+    def test_master_restarted_mid_handover_rolls_back(self):
+        """A master that restarts with an epoch pending rolls it back: the old map stays, nothing is lost."""
+        cluster = yield self.start()
+        workload = Workload(self.urls[1:], users=8, rooms=30, members_per_room=2, messages=200, concurrency=8, seed=9)
+        self.addCleanup(lambda: ensureDeferred(workload.close()))
+        yield ensureDeferred(workload.setup())
+        # The master stops between proposing and committing: the pending epoch is what it leaves.
+        cluster.signal("master", signal.SIGKILL)
+        yield wait_until(lambda: cluster.procs["master"].poll() is not None, 10, "the master to die")
+        _propose_directly(cluster)
+        chains = ensureDeferred(workload.sync_chains())
+        sending = ensureDeferred(workload.send_messages(rate_per_s=100))
+        yield sleep(0.5)
+        yield cluster.start_master(listeners=[{"resources": ["client"],
+                                               "endpoint": f"tcp:{free_port()}:interface=127.0.0.1"}])
+        yield sending
+        workload.stop_syncing()
+        yield chains
+        yield ensureDeferred(workload.drain())
+        report = workload.verify()
+        self.assertEqual((report.send_errors, report.sent), (0, 200))
+        self.assertEqual((report.lost, report.duplicated, report.order_mismatches), (0, 0, 0), report.as_dict())
+        # Sends of the rooms that were to move waited at persister1's router for the roll-back.
+        self.assertGreater(cluster.metrics("persister1").get("synflow_shard_sends_held_total", 0), 0)
+        info = yield self.rpc("shards", {})
+        self.assertEqual((info["epoch"], info["pending"]), (0, None))
+        self.assertEqual([h["state"] for h in info["history"]], ["current", "rolled_back"])
+        writers = {w for (w,) in cluster.query("SELECT DISTINCT instance_name FROM events")}
+        self.assertEqual(writers, set(WRITERS))
+        # A hand-over after the restart commits.
+        result = yield self.rpc("reshard", {"op": "add", "writer": "persister3"})
+        self.assertEqual(result["epoch"], 2)
+
+
+def _propose_directly(cluster: Cluster) -> None:
+    """Write a pending epoch (add persister3) as a master does before it prepares the processes."""
+    import json
+
+    statements = [
+        ("INSERT INTO shard_epochs (stream, epoch, op, writer, writers, address, state, floor_position, proposed_ts) "
+         "VALUES ('events', 0, 'base', '', ?, NULL, 'current', 0, 0)", (json.dumps(list(WRITERS)),)),
+        ("INSERT INTO shard_epochs (stream, epoch, op, writer, writers, address, state, floor_position, proposed_ts) "
+         "VALUES ('events', 1, 'add', 'persister3', ?, NULL, 'pending', 0, 0)", (json.dumps(list(ALL)),)),
+        ("UPDATE shard_state SET pending = 1 WHERE stream = 'events'", ()),
+    ]
+    if cluster.engine == "postgres":
+        from tests import services
+
+        conn = services.pg_connect(cluster.dbname)
+        cur = conn.cursor()
+        for sql, args in statements:
+            cur.execute(sql.replace("?", "%s"), args)
+    else:
+        import sqlite3
+
+        conn = sqlite3.connect(cluster.shared["database"]["path"])
+        for sql, args in statements:
+            conn.execute(sql, args)
+    conn.commit()
+    conn.close()
+
+
+def _is_subsequence(items: list[str], of: list[str]) -> bool:
+    it = iter(of)
+    return all(any(x == y for y in it) for x in items)
+
+
+class SqliteTcpReshardTest(ReshardMixin, TestCase):
+    engine = "sqlite"
+    transport = "tcp"
+
+
+class PostgresRedisReshardTest(ReshardMixin, TestCase):
+    engine = "postgres"
+    transport = "redis"
