@@ -245,6 +245,20 @@ class ReplicationHandler:
         view.positions[instance] = position
         return True
 
+    def remove_writer(self, stream: str, instance: str, if_at: int) -> bool:
+        """Forget ``instance`` as a writer of ``stream`` if its position is still ``if_at``.
+
+        For a writer :meth:`add_writer` counted ahead of a hand-over that was
+        rolled back: if it has not been heard from since, it has written
+        nothing, and keeping it would hold every token's minimum at ``if_at``.
+        Returns whether it was removed.
+        """
+        view = self.views[stream]
+        if view.positions.get(instance) != if_at:
+            return False
+        del view.positions[instance]
+        return True
+
     def positions(self, stream: str) -> dict[str, int]:
         """Every known writer's position on a stream."""
         return dict(self.views[stream].positions)

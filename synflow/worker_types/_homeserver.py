@@ -85,6 +85,8 @@ class Homeserver(WorkerType):
         await ctx.instances.ids_for(sorted(ctx.handler.positions(EVENTS.name)))
         self.store = DataStore(ctx.db)
         self.setup_caches(ctx)
+        #: Writers counted from an epoch's floor and not yet heard from, by the position they were counted at.
+        self._joined_at: dict[str, int] = {}
         self.shards = ShardFollower(ctx.db, event_writers, ctx.clock, on_state=self.follow_shards)
         await self.shards.reload()
 
@@ -119,9 +121,17 @@ class Homeserver(WorkerType):
 
     def follow_shards(self, state: ShardState) -> None:
         """A new shard map: count its new writers from the epoch's floor, and learn their addresses."""
-        for writer in sorted(state.writers()):
-            if self.ctx.handler.add_writer(EVENTS.name, writer, max(1, state.floor)):
-                logger.info("events writer %s joins this process's view at %d", writer, max(1, state.floor))
+        writers = state.writers()
+        for writer in sorted(writers):
+            at = max(1, state.floor)
+            if self.ctx.handler.add_writer(EVENTS.name, writer, at):
+                self._joined_at[writer] = at
+                logger.info("events writer %s joins this process's view at %d", writer, at)
+        for writer, at in list(self._joined_at.items()):
+            if writer not in writers:  # its hand-over was rolled back
+                del self._joined_at[writer]
+                if self.ctx.handler.remove_writer(EVENTS.name, writer, at):
+                    logger.info("events writer %s leaves this process's view (its epoch was rolled back)", writer)
         for writer, (host, port) in state.addresses.items():
             self.ctx.rpc_client.instance_map.setdefault(writer, HostPort(host, port))
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from typing import Any
 
 from twisted.internet import threads
@@ -33,16 +35,17 @@ class ReshardMixin:
     timeout = 400
 
     @inlineCallbacks
-    def start(self):
+    def start(self, third: bool = True):
         cluster = Cluster(self, engine=self.engine, transport=self.transport, writers=WRITERS,
                           extra_instances=("persister3",))
         ports = {"master": free_port(), "persister1": free_port()}
         listeners = {n: [{"resources": ["client"], "endpoint": f"tcp:{p}:interface=127.0.0.1"}] for n, p in ports.items()}
         yield cluster.start_master(listeners=listeners["master"])
         cluster.start_twistd("persister1", "event_persister", listeners=listeners["persister1"])
-        for name in ALL[1:]:
+        started = ALL if third else WRITERS
+        for name in started[1:]:
             cluster.start_twistd(name, "event_persister")
-        for name in ALL:
+        for name in started:
             yield cluster.wait_for_port(cluster.instance_ports[name], name)
         self.urls = [f"http://127.0.0.1:{p}" for p in ports.values()]
         self.master_config = load_config([cluster.shared_path, cluster.process_config("master", "master")])
@@ -189,19 +192,29 @@ class ReshardMixin:
     @inlineCallbacks
     def test_master_restarted_mid_handover_rolls_back(self):
         """A master that restarts with an epoch pending rolls it back: the old map stays, nothing is lost."""
-        cluster = yield self.start()
-        workload = Workload(self.urls[1:], users=8, rooms=30, members_per_room=2, messages=200, concurrency=8, seed=9)
+        cluster = yield self.start(third=False)
+        workload = Workload(self.urls[1:], users=8, rooms=60, members_per_room=2, messages=200, concurrency=8, seed=9)
         self.addCleanup(lambda: ensureDeferred(workload.close()))
         yield ensureDeferred(workload.setup())
+        m1 = ShardMap(list(WRITERS)).then(ShardStep("add", "persister3"))
+        moving = next(r for r in workload.rooms if m1.owner(r) == "persister3" and
+                      ShardMap(list(WRITERS)).owner(r) == "persister1")
         # The master stops between proposing and committing: the pending epoch is what it leaves.
         cluster.signal("master", signal.SIGKILL)
         yield wait_until(lambda: cluster.procs["master"].poll() is not None, 10, "the master to die")
         _propose_directly(cluster)
         chains = ensureDeferred(workload.sync_chains())
+        # A send of a moving room is refused by persister1's fence and held at its router meanwhile.
+        member = workload.rooms[moving][0]
+        held = ensureDeferred(member.client.at(self.urls[1]).send(moving, {"body": "held"}, "held-1"))
+        yield sleep(1.0)
+        self.assertFalse(held.called, "a send of a moving room went through during the hand-over")
         sending = ensureDeferred(workload.send_messages(rate_per_s=100))
-        yield sleep(0.5)
         yield cluster.start_master(listeners=[{"resources": ["client"],
                                                "endpoint": f"tcp:{free_port()}:interface=127.0.0.1"}])
+        sent = yield held  # the roll-back released it to its old owner
+        in_db = cluster.query("SELECT instance_name, room_id FROM events WHERE event_id = ?", (sent["event_id"],))
+        self.assertEqual(in_db, [("persister1", moving)])
         yield sending
         workload.stop_syncing()
         yield chains
@@ -216,9 +229,24 @@ class ReshardMixin:
         self.assertEqual([h["state"] for h in info["history"]], ["current", "rolled_back"])
         writers = {w for (w,) in cluster.query("SELECT DISTINCT instance_name FROM events")}
         self.assertEqual(writers, set(WRITERS))
-        # A hand-over after the restart commits.
-        result = yield self.rpc("reshard", {"op": "add", "writer": "persister3"})
-        self.assertEqual(result["epoch"], 2)
+        # A hand-over after the restart commits: synflowctl starts persister3 from its file, then reshards.
+        cluster.process_config("persister3", "event_persister")
+        self.addCleanup(lambda: _ctl("stop", cluster.dir))
+        done = yield threads.deferToThread(_ctl, "reshard", cluster.dir, "--add", "persister3")
+        self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
+        self.assertIn("persister3", done.stdout)
+        self.assertIn("epoch 2: add persister3", done.stdout)
+        shown = yield threads.deferToThread(_ctl, "shards", cluster.dir)
+        self.assertEqual(shown.returncode, 0, shown.stderr)
+        self.assertIn("events: epoch 2, writers persister1, persister2, persister3", shown.stdout)
+        self.assertIn("hand-over in progress: none", shown.stdout)
+        self.assertIn("epoch 1: add persister3 -> persister1, persister2, persister3 [rolled_back]", shown.stdout)
+        # Sends now reach persister3's rooms through persister1's router.
+        after = Workload(self.urls[1:], users=4, rooms=12, messages=60, seed=2, name_prefix="after")
+        self.addCleanup(lambda: ensureDeferred(after.close()))
+        yield ensureDeferred(after.setup())
+        written = {w for (w,) in cluster.query("SELECT DISTINCT instance_name FROM events")}
+        self.assertIn("persister3", written)
 
 
 def _propose_directly(cluster: Cluster) -> None:
@@ -247,6 +275,11 @@ def _propose_directly(cluster: Cluster) -> None:
             conn.execute(sql, args)
     conn.commit()
     conn.close()
+
+
+def _ctl(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([os.path.join(os.path.dirname(sys.executable), "synflowctl"), *args],
+                          capture_output=True, text=True, timeout=120)
 
 
 def _is_subsequence(items: list[str], of: list[str]) -> bool:
