@@ -8,4 +8,4 @@ plots. See ``docs/benchmarks.md``.
 """
 
 #: The benchmarks, in the order they run.
-BENCHMARKS = ("codec", "tcp", "redis", "persist", "federation", "audit", "memory", "mainjob", "spark")
+BENCHMARKS = ("codec", "tcp", "redis", "persist", "federation", "audit", "memory", "mainjob", "reshard", "spark")

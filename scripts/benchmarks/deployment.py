@@ -39,21 +39,26 @@ class Deployment:
 
     Args:
         workdir: where configs, logs and audit logs go.
-        persisters: how many event persisters (``stream_writers.events``).
+        persisters: how many event persisters.
+        events_writers: how many of them are listed in ``stream_writers.events`` (all by default).
         audit: ``audit.enabled``.
         client_on_persisters: give every persister a client listener too.
     """
 
     def __init__(self, workdir: str, *, persisters: int, audit: bool = True,
-                 client_on_persisters: bool = True) -> None:
+                 client_on_persisters: bool = True, events_writers: int | None = None) -> None:
         self.workdir = workdir
         self.writers = [f"persister{i + 1}" for i in range(persisters)]
+        #: ``stream_writers.events``: the first ``events_writers`` persisters (all by default); the others
+        #: run idle until resharded in.
+        self.events_writers = self.writers[:events_writers]
         self.audit = audit
         self.client_on_persisters = client_on_persisters
         self.children = Children(workdir)
         self.dbname = ""
         self.client_ports: dict[str, int] = {}
         self.procs: dict[str, Child] = {}
+        self.shared_path = ""
 
     def __enter__(self) -> Deployment:
         try:
@@ -84,10 +89,10 @@ class Deployment:
                          "dbname": self.dbname},
             "replication": {"transport": "tcp", "hub": {"host": "127.0.0.1", "port": hub_port}},
             "instance_map": {n: {"host": "127.0.0.1", "port": p} for n, p in instances.items()},
-            "stream_writers": {"events": self.writers},
+            "stream_writers": {"events": self.events_writers},
             "audit": {"enabled": self.audit, "dir": os.path.join(var, "audit")},
         }
-        shared_path = self._write("shared.yaml", shared)
+        shared_path = self.shared_path = self._write("shared.yaml", shared)
         with_client = ["master", *(self.writers if self.client_on_persisters else [])]
         for name in ("master", *self.writers):
             own: dict[str, Any] = {"app": "master" if name == "master" else "event_persister",

@@ -32,7 +32,7 @@ from scripts.benchmarks.report import write_outputs
 TIMEOUTS = {
     "codec": (120, 300), "tcp": (300, 1500), "redis": (300, 1800), "persist": (600, 2400),
     "federation": (300, 900), "audit": (600, 2400), "spark": (1200, 10800), "memory": (300, 1200),
-    "mainjob": (300, 900),
+    "mainjob": (300, 900), "reshard": (300, 900),
 }
 
 

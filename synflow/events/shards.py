@@ -189,8 +189,9 @@ class ShardFollower:
     """
 
     def __init__(self, db: Database, base: Sequence[str], clock: Any,
-                 on_state: Callable[[ShardState], None] | None = None) -> None:
+                 on_state: Callable[[ShardState], None] | None = None, group: str = EVENTS.name) -> None:
         self.db = db
+        self.group = group
         self.base = list(base)
         self.clock = clock
         self.on_state = on_state
@@ -223,7 +224,8 @@ class ShardFollower:
     def _read(self) -> None:
         self._loading = True
         waiters, self._next = self._next, []
-        d = self.db.run_interaction("load_shard_map", load_state_txn, self.base, read_only=True, idempotent=True)
+        d = self.db.run_interaction("load_shard_map", load_state_txn, self.base, self.group, read_only=True,
+                                    idempotent=True)
 
         def done(result: Any) -> None:
             self._loading = False
@@ -243,7 +245,7 @@ class ShardFollower:
         """Follow ``state`` if it differs from the one followed; wakes every waiter."""
         if state.key == self.state.key:
             return
-        logger.info("shard map: epoch %d%s, writers %s", state.current.epoch,
+        logger.info("%s shard map: epoch %d%s, writers %s", self.group, state.current.epoch,
                     "" if state.pending is None else f" (epoch {state.pending.epoch} pending)",
                     list(state.current.writers))
         self.state = state
@@ -292,64 +294,89 @@ class ShardFollower:
 
 # -- the coordinator -----------------------------------------------------------------------------------
 
+#: The shard groups: rooms over event persisters, destinations over federation senders.
+EVENTS_GROUP: Final = EVENTS.name
+FEDERATION_GROUP: Final = "federation"
+GROUPS: Final = (EVENTS_GROUP, FEDERATION_GROUP)
+#: What each group's keys are, for messages.
+_KEYS = {EVENTS_GROUP: "rooms", FEDERATION_GROUP: "destinations"}
+
 
 class Resharder:
     """Runs hand-overs, one at a time, on the master.
 
     Args:
         db: the database.
-        follower: the master's own :class:`ShardFollower`.
+        followers: the master's own :class:`ShardFollower` of each group it follows.
         rpc_client: calls every process's :data:`RELOAD_RPC`.
         instances: every process of the deployment (``instance_map``).
         clock: timestamps.
+        self_name: the master's instance name.
     """
 
-    def __init__(self, db: Database, follower: ShardFollower, rpc_client: Any, instances: Callable[[], Sequence[str]],
-                 clock: Any, self_name: str) -> None:
+    def __init__(self, db: Database, followers: Mapping[str, ShardFollower], rpc_client: Any,
+                 instances: Callable[[], Sequence[str]], clock: Any, self_name: str) -> None:
         self.db = db
-        self.follower = follower
+        self.followers = dict(followers)
         self.rpc = rpc_client
         self.instances = instances
         self.clock = clock
         self.self_name = self_name
         self.busy = False
 
-    async def recover(self) -> None:
-        """At start-up: roll back a hand-over a previous master left pending."""
-        state = await self.db.run_interaction("load_shard_map", load_state_txn, self.follower.base, idempotent=True)
-        if state.pending is not None:
-            logger.warning("rolling back epoch %d, left pending by a previous master", state.pending.epoch)
-            await self._finish(state.pending.epoch, commit=False)
-        await self.follower.reload()
-        self._count_rooms(self.follower.state.current)
+    def _follower(self, group: str) -> ShardFollower:
+        follower = self.followers.get(group)
+        if follower is None:
+            hint = " (federation_sender_instances is empty)" if group == FEDERATION_GROUP else ""
+            raise HttpApiError(400, "M_INVALID_PARAM", f"shard group {group!r} does not reshard here{hint}")
+        return follower
 
-    async def describe(self) -> dict[str, Any]:
-        """The current epoch, rooms per writer, the hand-over in progress and the epochs' history."""
-        state = await self.follower.reload()
-        rooms = await self.db.run_interaction("shard_rooms", _room_ids_txn, read_only=True)
+    async def recover(self) -> None:
+        """At start-up: roll back the hand-overs a previous master left pending."""
+        for group, follower in self.followers.items():
+            state = await self.db.run_interaction("load_shard_map", load_state_txn, follower.base, group,
+                                                  idempotent=True)
+            if state.pending is not None:
+                logger.warning("rolling back %s epoch %d, left pending by a previous master", group,
+                               state.pending.epoch)
+                await self._finish(group, state.pending.epoch, commit=False)
+            await follower.reload()
+            if group == EVENTS_GROUP:
+                self._count(follower.state.current, await self._keys(group))
+
+    async def _keys(self, group: str) -> list[str]:
+        return await self.db.run_interaction(f"shard_keys_{group}", _keys_txn, group, read_only=True)
+
+    async def describe(self, group: str = EVENTS_GROUP) -> dict[str, Any]:
+        """The current epoch, keys per writer, the hand-over in progress and the epochs' history."""
+        state = await self._follower(group).reload()
+        keys = await self._keys(group)
         per_writer = {w: 0 for w in state.current.writers}
-        for room in rooms:
-            owner = state.current.owner(room)
+        for key in keys:
+            owner = state.current.owner(key)
             per_writer[owner] = per_writer.get(owner, 0) + 1
-        history = await self.db.run_interaction("shard_history", _history_txn, read_only=True)
+        history = await self.db.run_interaction("shard_history", _history_txn, group, read_only=True)
         return {
-            "stream": EVENTS.name, "epoch": state.current.epoch, "writers": list(state.current.writers),
-            "rooms": per_writer,
+            "group": group, "keys": _KEYS[group], "epoch": state.current.epoch,
+            "writers": list(state.current.writers), "rooms" if group == EVENTS_GROUP else "destinations": per_writer,
+            "owned": per_writer,
             "pending": None if state.pending is None else {
                 "epoch": state.pending.epoch, "writers": list(state.pending.writers),
-                "moving_rooms": sum(1 for r in rooms if state.moving(r))},
+                "moving": sum(1 for k in keys if state.moving(k))},
             "history": history,
         }
 
-    async def reshard(self, op: str, writer: str, address: tuple[str, int] | None = None) -> dict[str, Any]:
-        """Add or remove ``writer``: propose, prepare every process, commit (or roll back).
+    async def reshard(self, op: str, writer: str, address: tuple[str, int] | None = None,
+                      group: str = EVENTS_GROUP) -> dict[str, Any]:
+        """Add or remove ``writer`` in ``group``: propose, prepare every process, commit (or roll back).
 
         Raises:
             HttpApiError: 409 if a hand-over is already in progress or the change is impossible;
-                503 if a process did not answer the prepare (the epoch was rolled back).
+                503 if a process did not answer the prepare of an added writer (the epoch was rolled back).
         """
         if op not in ("add", "remove"):
             raise HttpApiError(400, "M_INVALID_PARAM", f"op must be add or remove, not {op!r}")
+        follower = self._follower(group)
         if op == "add" and address is None and writer not in self.rpc.instance_map:
             raise HttpApiError(400, "M_INVALID_PARAM", f"adding {writer!r} needs its internal address")
         if self.busy:
@@ -360,53 +387,63 @@ class Resharder:
         try:
             try:
                 epoch, new_map, old_map = await self.db.run_interaction(
-                    "propose_epoch", _propose_txn, self.follower.base, ShardStep(op, writer),  # type: ignore[arg-type]
-                    None if address is None else list(address), int(self.clock.seconds() * 1000))
+                    "propose_epoch", _propose_txn, follower.base, ShardStep(op, writer),  # type: ignore[arg-type]
+                    None if address is None else list(address), int(self.clock.seconds() * 1000), group)
             except ShardingError as e:
                 raise HttpApiError(409, "M_INVALID_PARAM", str(e)) from None
             if address is not None:
                 self.rpc.instance_map.setdefault(writer, _host_port(address))
-            failed = await self._prepare(epoch, writer if op == "add" else None)
+            failed = await self._prepare(group, epoch, writer if op == "add" else None)
             if failed and op == "remove":
                 # Nobody joins a view when a writer leaves: a process that missed the prepare only
-                # learns of the move later (its persist calls are refused by the fence and re-routed).
-                # So a dead persister can be removed.
-                logger.warning("epoch %d: committing without %s", epoch, "; ".join(failed))
+                # learns of the move later (the fence refuses its writes, and its router re-routes).
+                # So a dead persister or sender can be removed.
+                logger.warning("%s epoch %d: committing without %s", group, epoch, "; ".join(failed))
             elif failed:
-                await self._finish(epoch, commit=False)
+                await self._finish(group, epoch, commit=False)
                 await self._broadcast()
                 raise HttpApiError(503, "M_HANDOVER_FAILED",
                                    f"epoch {epoch} rolled back: {'; '.join(failed)}", retry_after_ms=1000)
-            rooms = await self.db.run_interaction("shard_rooms", _room_ids_txn, read_only=True)
-            moved = sum(1 for r in rooms if new_map.owner(r) != old_map.owner(r))
-            await self._finish(epoch, commit=True, moved=moved, total=len(rooms))
+            keys = await self._keys(group)
+            moved = sum(1 for k in keys if new_map.owner(k) != old_map.owner(k))
+            await self._finish(group, epoch, commit=True, moved=moved, total=len(keys))
             await self._broadcast()
             seconds = time.perf_counter() - started
             HANDOVER_SECONDS.observe(seconds)
-            self._count_rooms(new_map, rooms)
-            logger.info("epoch %d is current: %s %s; %d of %d rooms moved in %.3fs", epoch, op, writer, moved,
-                        len(rooms), seconds)
-            return {"epoch": epoch, "op": op, "writer": writer, "writers": list(new_map.writers),
-                    "rooms_moved": moved, "rooms_total": len(rooms), "seconds": round(seconds, 4)}
+            if group == EVENTS_GROUP:
+                self._count(new_map, keys)
+            logger.info("%s epoch %d is current: %s %s; %d of %d %s moved in %.3fs", group, epoch, op, writer, moved,
+                        len(keys), _KEYS[group], seconds)
+            return {"group": group, "epoch": epoch, "op": op, "writer": writer, "writers": list(new_map.writers),
+                    "keys": _KEYS[group], "rooms_moved": moved, "rooms_total": len(keys),
+                    "moved": moved, "total": len(keys), "seconds": round(seconds, 4)}
         finally:
             self.busy = False
             HANDOVERS_IN_PROGRESS.dec()
 
-    async def _prepare(self, epoch: int, joining: str | None) -> list[str]:
-        """Every process reloads the map; the problems of those that did not follow epoch ``epoch``."""
+    async def _prepare(self, group: str, epoch: int, joining: str | None) -> list[str]:
+        """Every process reloads the maps; the problems of those that did not follow ``group``'s epoch ``epoch``.
+
+        A federation sender answers only once it has stopped the queues of the destinations
+        it gives away (their in-flight transactions finished, their positions stored).
+        """
         names = sorted({*self.instances(), *([joining] if joining else [])})
 
         async def one(name: str) -> str | None:
             try:
                 if name == self.self_name:
-                    state = await self.follower.reload()
+                    state = await self.followers[group].reload()
                     pending = None if state.pending is None else state.pending.epoch
                 else:
                     answer = await self.rpc.call(name, RELOAD_RPC, {}, attempts=PREPARE_ATTEMPTS)
-                    pending = answer.get("pending") if isinstance(answer, dict) else None
+                    if isinstance(answer, dict) and group != EVENTS_GROUP:
+                        answer = answer.get(group)
+                    if not isinstance(answer, dict):
+                        return None  # a process that does not follow this group
+                    pending = answer.get("pending")
             except HttpApiError as e:
                 if e.code == 404 and e.errcode == "M_UNRECOGNIZED":
-                    return None  # a process that does not follow the events stream
+                    return None  # a process that does not follow the shard maps
                 return f"{name}: {e.msg}"
             except Exception as e:  # any failure of one process counts
                 return f"{name}: {type(e).__name__}: {e}"
@@ -415,10 +452,11 @@ class Resharder:
         answers = await gatherResults([Deferred.fromCoroutine(one(n)) for n in names], consumeErrors=True)
         return [a for a in answers if a is not None]
 
-    async def _finish(self, epoch: int, *, commit: bool, moved: int | None = None, total: int | None = None) -> None:
+    async def _finish(self, group: str, epoch: int, *, commit: bool, moved: int | None = None,
+                      total: int | None = None) -> None:
         await self.db.run_interaction("finish_epoch", _finish_txn, epoch, commit, moved, total,
-                                      int(self.clock.seconds() * 1000))
-        await self.follower.reload()
+                                      int(self.clock.seconds() * 1000), group)
+        await self.followers[group].reload()
 
     async def _broadcast(self) -> None:
         """Tell every process to reload (best effort: routers holding sends also poll)."""
@@ -431,9 +469,7 @@ class Resharder:
         names = [n for n in self.instances() if n != self.self_name]
         await gatherResults([Deferred.fromCoroutine(one(n)) for n in names], consumeErrors=True)
 
-    def _count_rooms(self, shard_map: ShardMap, rooms: Sequence[str] | None = None) -> None:
-        if rooms is None:
-            return
+    def _count(self, shard_map: ShardMap, rooms: Sequence[str]) -> None:
         counts = {w: 0 for w in shard_map.writers}
         for room in rooms:
             counts[shard_map.owner(room)] += 1
@@ -449,56 +485,57 @@ def _host_port(address: tuple[str, int]) -> Any:
 
 
 def _propose_txn(txn: Txn, base: Sequence[str], step: ShardStep, address: list[Any] | None,
-                 now_ms: int) -> tuple[int, ShardMap, ShardMap]:
-    epoch, pending = read_state_row_txn(txn, EVENTS.name, lock="update")
+                 now_ms: int, group: str = EVENTS_GROUP) -> tuple[int, ShardMap, ShardMap]:
+    epoch, pending = read_state_row_txn(txn, group, lock="update")
     if pending is not None:
-        raise HttpApiError(409, "M_HANDOVER_IN_PROGRESS", f"epoch {pending} is still being handed over")
-    state = _load_epochs_txn(txn, base, EVENTS.name, epoch, None)
-    new_map = state.current.then(step)  # raises ShardingError for an impossible change
-    txn.execute("SELECT COALESCE(MAX(epoch), 0) FROM shard_epochs WHERE stream = ?", (EVENTS.name,))
+        raise HttpApiError(409, "M_HANDOVER_IN_PROGRESS", f"{group} epoch {pending} is still being handed over")
+    state = _load_epochs_txn(txn, base, group, epoch, None)
+    state.current.then(step)  # raises ShardingError for an impossible change
+    txn.execute("SELECT COALESCE(MAX(epoch), 0) FROM shard_epochs WHERE stream = ?", (group,))
     row = txn.fetchone()
     number = max(int(row[0]) if row else 0, epoch) + 1
     new_map = state.current.then(step, number)
-    floor = last_allocated_txn(txn, EVENTS)
-    if _no_base_txn(txn):
+    # Below every ID a joining writer of the events stream can take (IDs come from one sequence).
+    floor = last_allocated_txn(txn, EVENTS) if group == EVENTS_GROUP else 0
+    txn.execute("SELECT 1 FROM shard_epochs WHERE stream = ? AND epoch = 0", (group,))
+    if txn.fetchone() is None:
         txn.execute("INSERT INTO shard_epochs (stream, epoch, op, writer, writers, address, state, floor_position, "
                     "proposed_ts, finished_ts) VALUES (?, 0, 'base', '', ?, NULL, 'current', ?, ?, ?)",
-                    (EVENTS.name, json.dumps(list(state.current.base)), floor, now_ms, now_ms))
+                    (group, json.dumps(list(state.current.base)), floor, now_ms, now_ms))
     txn.execute("INSERT INTO shard_epochs (stream, epoch, op, writer, writers, address, state, floor_position, "
                 "proposed_ts) VALUES (?, ?, ?, ?, ?, ?, 'pending', ?, ?)",
-                (EVENTS.name, number, step.op, step.writer, json.dumps(list(new_map.writers)),
+                (group, number, step.op, step.writer, json.dumps(list(new_map.writers)),
                  None if address is None else json.dumps(address), floor, now_ms))
-    txn.execute("UPDATE shard_state SET pending = ? WHERE stream = ?", (number, EVENTS.name))
+    txn.execute("UPDATE shard_state SET pending = ? WHERE stream = ?", (number, group))
     return number, new_map, state.current
 
 
-def _no_base_txn(txn: Txn) -> bool:
-    txn.execute("SELECT 1 FROM shard_epochs WHERE stream = ? AND epoch = 0", (EVENTS.name,))
-    return txn.fetchone() is None
-
-
-def _finish_txn(txn: Txn, epoch: int, commit: bool, moved: int | None, total: int | None, now_ms: int) -> None:
-    _, pending = read_state_row_txn(txn, EVENTS.name, lock="update")
+def _finish_txn(txn: Txn, epoch: int, commit: bool, moved: int | None, total: int | None, now_ms: int,
+                group: str = EVENTS_GROUP) -> None:
+    _, pending = read_state_row_txn(txn, group, lock="update")
     if pending != epoch:
-        raise HttpApiError(409, "M_HANDOVER_IN_PROGRESS", f"epoch {epoch} is not pending (pending: {pending})")
+        raise HttpApiError(409, "M_HANDOVER_IN_PROGRESS", f"{group} epoch {epoch} is not pending (pending: {pending})")
     if commit:
-        txn.execute("UPDATE shard_state SET epoch = ?, pending = NULL WHERE stream = ?", (epoch, EVENTS.name))
+        txn.execute("UPDATE shard_state SET epoch = ?, pending = NULL WHERE stream = ?", (epoch, group))
     else:
-        txn.execute("UPDATE shard_state SET pending = NULL WHERE stream = ?", (EVENTS.name,))
+        txn.execute("UPDATE shard_state SET pending = NULL WHERE stream = ?", (group,))
     txn.execute("UPDATE shard_epochs SET state = ?, finished_ts = ?, rooms_moved = ?, rooms_total = ? "
                 "WHERE stream = ? AND epoch = ?",
-                ("current" if commit else "rolled_back", now_ms, moved, total, EVENTS.name, epoch))
+                ("current" if commit else "rolled_back", now_ms, moved, total, group, epoch))
 
 
-def _room_ids_txn(txn: Txn) -> list[str]:
-    txn.execute("SELECT room_id FROM rooms")
+def _keys_txn(txn: Txn, group: str) -> list[str]:
+    if group == FEDERATION_GROUP:
+        txn.execute("SELECT destination FROM destinations UNION SELECT destination FROM destination_rooms")
+    else:
+        txn.execute("SELECT room_id FROM rooms")
     return [r[0] for r in txn.fetchall()]
 
 
-def _history_txn(txn: Txn) -> list[dict[str, Any]]:
+def _history_txn(txn: Txn, group: str = EVENTS_GROUP) -> list[dict[str, Any]]:
     txn.execute("SELECT epoch, op, writer, writers, state, proposed_ts, finished_ts, rooms_moved, rooms_total "
-                "FROM shard_epochs WHERE stream = ? ORDER BY epoch", (EVENTS.name,))
-    keys = ("epoch", "op", "writer", "writers", "state", "proposed_ts", "finished_ts", "rooms_moved", "rooms_total")
+                "FROM shard_epochs WHERE stream = ? ORDER BY epoch", (group,))
+    keys = ("epoch", "op", "writer", "writers", "state", "proposed_ts", "finished_ts", "moved", "total")
     out = []
     for row in txn.fetchall():
         item = dict(zip(keys, row, strict=True))

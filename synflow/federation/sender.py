@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred, DeferredList, maybeDeferred, succeed
@@ -35,6 +36,9 @@ from synflow.federation.interfaces import DestinationStore, Edu, FederationTrans
 from synflow.federation.policy import TransactionIds
 from synflow.federation.queue import PerDestinationQueue, SentTransaction
 from synflow.sharding import shard_for
+
+if TYPE_CHECKING:
+    from synflow.events.shards import ShardFollower
 from synflow.tokens import StreamToken
 
 logger = logging.getLogger(__name__)
@@ -65,7 +69,8 @@ class FederationSender(Service):
 
     Raises:
         ShardingError: ``instances`` is not empty and does not list
-            ``instance_name``.
+            ``instance_name`` (unless ``follower`` is given: a sender may join by resharding).
+        follower: the destinations' shard map (live resharding).
     """
 
     def __init__(
@@ -81,8 +86,9 @@ class FederationSender(Service):
         config: FederationConfig,
         events_position: Callable[[], StreamToken],
         on_sent: Callable[[SentTransaction], object] | None = None,
+        follower: ShardFollower | None = None,
     ) -> None:
-        if instances and instance_name not in instances:
+        if instances and instance_name not in instances and follower is None:
             raise ShardingError(
                 f"instance {instance_name!r} is not in federation_sender_instances {list(instances)}; "
                 "add it there or do not run a federation sender in it"
@@ -101,6 +107,8 @@ class FederationSender(Service):
         self._queues: dict[str, PerDestinationQueue] = {}
         self._wakeup: LoopingCall | None = None
         self._stopping = False
+        #: The destinations' shard map (live resharding); None: ``shard_for`` over ``instances``.
+        self.follower = follower
 
     # -- ownership and queues ---------------------------------------------------------
 
@@ -108,7 +116,32 @@ class FederationSender(Service):
         """Whether this instance sends to ``destination`` (never our own server)."""
         if destination == self.server_name:
             return False
+        if self.follower is not None:
+            # During a hand-over a moving destination has no sender: its old one has stopped
+            # its queue, and its new one starts once the epoch commits, from the stored position.
+            state = self.follower.state
+            return not state.moving(destination) and state.current.owner(destination) == self.instance_name
         return not self.instances or shard_for(destination, self.instances) == self.instance_name
+
+    def release_unowned(self) -> Deferred[None]:
+        """Stop and drop the queues of destinations this instance no longer owns (a hand-over).
+
+        Fires once their in-flight transactions have finished and their positions are stored,
+        so the next owner starts from where this one stopped; then wakes the destinations
+        this instance gained, which catch up from their stored positions.
+        """
+        gone = [d for d in self._queues if not self.owns(d)]
+        stops = []
+        for destination in gone:
+            q = self._queues.pop(destination)
+            logger.info("handing destination %s over to another federation sender", destination)
+            stops.append(q.stop())
+            _unregister_metrics(q)
+
+        def wake(_: object) -> Deferred[None]:
+            return self.wake_outstanding()
+
+        return DeferredList(stops).addCallback(wake)
 
     @property
     def queues(self) -> Mapping[str, PerDestinationQueue]:

@@ -8,14 +8,14 @@
     synflowctl shards  [DIR] [--config FILE]...
     synflowctl plugins
 
-``reshard --add NAME`` starts the event persister ``NAME`` from its file in
-``DIR`` (``NAME.yaml``, or any file with that ``instance_name``) and, once it
-is healthy, asks the master to move to it the rooms it now owns: a new
-shard-map epoch, handed over with no restart and nothing lost (see
-``docs/operations.md``). ``reshard --remove NAME`` moves ``NAME``'s rooms to
-the other persisters, then stops it. ``shards`` prints the current epoch,
-the rooms each persister owns, the hand-over in progress and the epochs'
-history. Both talk to the master's internal RPC with the deployment's secret.
+``reshard --add NAME`` starts the event persister or federation sender
+``NAME`` from its file in ``DIR`` (any file with that ``instance_name``)
+and, once it is healthy, asks the master to move to it the rooms (or
+destinations) it now owns: a new shard-map epoch, handed over with no
+restart and nothing lost (see ``docs/operations.md``). ``reshard --remove
+NAME`` moves ``NAME``'s rooms or destinations to the others, then stops it.
+``shards`` prints, for rooms and for destinations, the current epoch, what
+each writer owns, the hand-over in progress and the epochs' history. Both talk to the master's internal RPC with the deployment's secret.
 
 ``plugins`` lists the worker types (``app:`` values) and streams installed:
 synflow's own and every distribution's ``synflow.apps`` / ``synflow.streams``
@@ -570,48 +570,55 @@ def _proc_named(procs: list[Proc], name: str) -> Proc:
 
 
 def reshard(procs: list[Proc], op: str, name: str, out: Any = None) -> int:
-    """``reshard --add NAME`` / ``--remove NAME`` (see the module docstring); 0 on success, 1 on failure."""
+    """``reshard --add NAME`` / ``--remove NAME`` (see the module docstring); 0 on success, 1 on failure.
+
+    An event persister moves rooms (group ``events``), a federation sender destinations (``federation``).
+    """
     out = out if out is not None else sys.stdout
     try:
         master, proc = _master(procs), _proc_named(procs, name)
+        group = "federation" if proc.config.app == "federation_sender" else "events"
+        args: dict[str, Any] = {"op": op, "writer": name, "group": group}
         if op == "add":
             if start([proc], out) != 0:
                 return 1
             address = proc.config.instance_map.get(name)
             if address is None:
                 raise RpcCallError(f"{name} is not in its own instance_map")
-            result = call_rpc(master.config, "master", "reshard",
-                              {"op": "add", "writer": name, "address": [address.host, address.port]})
-        else:
-            result = call_rpc(master.config, "master", "reshard", {"op": "remove", "writer": name})
+            args["address"] = [address.host, address.port]
+        result = call_rpc(master.config, "master", "reshard", args)
     except (RpcCallError, ConfigError) as e:
         out.write(f"synflowctl: reshard failed: {e}\n")
         return 1
-    out.write(f"  epoch {result['epoch']}: {op} {name}; {result['rooms_moved']} of {result['rooms_total']} rooms moved "
-              f"in {result['seconds'] * 1000:.0f} ms; writers {', '.join(result['writers'])}\n")
+    out.write(f"  {group} epoch {result['epoch']}: {op} {name}; {result['moved']} of {result['total']} "
+              f"{result['keys']} moved in {result['seconds'] * 1000:.0f} ms; writers {', '.join(result['writers'])}\n")
     if op == "remove":
         return stop([proc], out)
     return 0
 
 
 def shards(procs: list[Proc], out: Any = None) -> int:
-    """``shards``: the current epoch, rooms per persister, the hand-over in progress, the history."""
+    """``shards``: per group, the current epoch, keys per owner, the hand-over in progress, the history."""
     out = out if out is not None else sys.stdout
     try:
-        info = call_rpc(_master(procs).config, "master", "shards", {})
+        master = _master(procs)
+        infos = [call_rpc(master.config, "master", "shards", {"group": "events"})]
+        if master.config.federation_sender_instances:
+            infos.append(call_rpc(master.config, "master", "shards", {"group": "federation"}))
     except (RpcCallError, ConfigError) as e:
         out.write(f"synflowctl: {e}\n")
         return 1
-    out.write(f"events: epoch {info['epoch']}, writers {', '.join(info['writers'])}\n")
-    for writer, rooms in sorted(info["rooms"].items()):
-        out.write(f"  {writer:<22} {rooms} rooms\n")
-    pending = info.get("pending")
-    out.write("hand-over in progress: " + ("none" if pending is None else
-              f"epoch {pending['epoch']} ({pending['moving_rooms']} rooms moving)") + "\n")
-    for h in info["history"]:
-        moved = "" if h["rooms_moved"] is None else f", {h['rooms_moved']}/{h['rooms_total']} rooms moved"
-        out.write(f"  epoch {h['epoch']}: {h['op']} {h['writer'] or '-'} -> {', '.join(h['writers'])} "
-                  f"[{h['state']}{moved}]\n")
+    for info in infos:
+        out.write(f"{info['group']}: epoch {info['epoch']}, writers {', '.join(info['writers'])}\n")
+        for writer, owned in sorted(info["owned"].items()):
+            out.write(f"  {writer:<22} {owned} {info['keys']}\n")
+        pending = info.get("pending")
+        out.write("  hand-over in progress: " + ("none" if pending is None else
+                  f"epoch {pending['epoch']} ({pending['moving']} {info['keys']} moving)") + "\n")
+        for h in info["history"]:
+            moved = "" if h["moved"] is None else f", {h['moved']}/{h['total']} {info['keys']} moved"
+            out.write(f"  epoch {h['epoch']}: {h['op']} {h['writer'] or '-'} -> {', '.join(h['writers'])} "
+                      f"[{h['state']}{moved}]\n")
     return 0
 
 

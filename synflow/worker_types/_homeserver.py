@@ -27,7 +27,7 @@ from synflow.caching import CacheRegistry, open_tier, tier_prefix
 from synflow.config import HostPort
 from synflow.events.persist import EventPersister, PersistResult
 from synflow.events.router import EventRouter, serve_persist
-from synflow.events.shards import RELOAD_RPC, ShardFollower, ShardState
+from synflow.events.shards import FEDERATION_GROUP, RELOAD_RPC, ShardFollower, ShardState
 from synflow.events.sync import SyncHandler
 from synflow.federation.auth import (
     FEDERATION_PREFIX,
@@ -69,6 +69,8 @@ class Homeserver(WorkerType):
     persister: EventPersister | None = None
     router: EventRouter
     shards: ShardFollower
+    #: Destinations over federation senders (None when ``federation_sender_instances`` is empty).
+    sender_shards: ShardFollower | None
     sync: SyncHandler
     client_api: ClientApi | None = None
     federation_inbound: Any = None
@@ -90,9 +92,22 @@ class Homeserver(WorkerType):
         self.shards = ShardFollower(ctx.db, event_writers, ctx.clock, on_state=self.follow_shards)
         await self.shards.reload()
 
+        self.sender_shards = None
+        if config.federation_sender_instances:
+            self.sender_shards = ShardFollower(ctx.db, config.federation_sender_instances, ctx.clock,
+                                               group=FEDERATION_GROUP)
+            await self.sender_shards.reload()
+
         async def reload_shards(args: Any) -> Any:
             state = await self.shards.reload()
-            return {"epoch": state.current.epoch, "pending": None if state.pending is None else state.pending.epoch}
+            answer: dict[str, Any] = {"epoch": state.current.epoch,
+                                      "pending": None if state.pending is None else state.pending.epoch}
+            if self.sender_shards is not None:
+                senders = await self.sender_shards.reload()
+                await self.settle_shards()
+                answer[FEDERATION_GROUP] = {"epoch": senders.current.epoch,
+                                            "pending": None if senders.pending is None else senders.pending.epoch}
+            return answer
 
         ctx.rpc.register(RELOAD_RPC, reload_shards)
         if me in event_writers or me in self.shards.state.writers() or EVENTS.name in ctx.writers.generators:
@@ -118,6 +133,10 @@ class Homeserver(WorkerType):
 
     async def build_role(self, ctx: ProcessContext) -> None:
         """What this worker type adds (subclasses)."""
+
+    async def settle_shards(self) -> None:
+        """Once the maps are reloaded: finish what a hand-over needs of this process before it answers
+        (a federation sender stops the queues of the destinations it gives away)."""
 
     def follow_shards(self, state: ShardState) -> None:
         """A new shard map: count its new writers from the epoch's floor, and learn their addresses."""

@@ -68,8 +68,12 @@ class FederationSenderWorker(Homeserver):
             server_name=config.server_name, instance_name=config.instance_name,
             instances=config.federation_sender_instances, store=store, transport=transport,
             clock=ctx.clock, rng=random.Random(), config=config.federation,
-            events_position=self.follower.events_position,
+            events_position=self.follower.events_position, follower=self.sender_shards,
         )
         ctx.on_command(RemoteServerUpCommand, lambda _c, cmd: sender.notify_remote_server_up(cmd.server_name))
         self.edu_follower = EduFollower(ctx.handler, sender, config.instance_name, ctx.clock)
         ctx.add_service(_FederationService(self.follower, sender))
+
+    async def settle_shards(self) -> None:
+        """Before answering a hand-over: stop the queues of the destinations given away."""
+        await self.federation_sender.release_unowned()

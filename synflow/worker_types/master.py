@@ -9,7 +9,15 @@ import re
 from typing import Any
 
 from synflow.errors import HttpApiError
-from synflow.events.shards import RESHARD_RPC, SHARDS_RPC, Resharder
+from synflow.events.shards import (
+    EVENTS_GROUP,
+    FEDERATION_GROUP,
+    GROUPS,
+    RESHARD_RPC,
+    SHARDS_RPC,
+    Resharder,
+    ShardState,
+)
 from synflow.federation.edus import EduQueue
 from synflow.framework import Capability, ProcessContext
 from synflow.replication.commands import FederationAckCommand
@@ -53,7 +61,19 @@ class Master(Homeserver):
 
     def setup_resharding(self, ctx: ProcessContext) -> None:
         """The coordinator of live resharding and its RPCs (``reshard``, ``shards``; see ``synflowctl reshard``)."""
-        resharder = self.resharder = Resharder(ctx.db, self.shards, ctx.rpc_client,
+        followers = {EVENTS_GROUP: self.shards}
+        if self.sender_shards is not None:
+            followers[FEDERATION_GROUP] = self.sender_shards
+            queue = self.edu_queue
+
+            def follow_senders(state: ShardState) -> None:
+                # Outbox rows are trimmed once every current sender has acknowledged them.
+                if queue is not None:
+                    queue.senders = list(state.current.writers)
+
+            self.sender_shards.on_state = follow_senders
+            follow_senders(self.sender_shards.state)
+        resharder = self.resharder = Resharder(ctx.db, followers, ctx.rpc_client,
                                                lambda: sorted(ctx.rpc_client.instance_map), ctx.clock,
                                                ctx.config.instance_name)
 
@@ -61,6 +81,9 @@ class Master(Homeserver):
             if not isinstance(args, dict):
                 raise HttpApiError(400, "M_BAD_JSON", "reshard needs {op, writer[, address]}")
             op, writer, address = args.get("op"), args.get("writer"), args.get("address")
+            group = args.get("group", EVENTS_GROUP)
+            if group not in GROUPS:
+                raise HttpApiError(400, "M_INVALID_PARAM", f"group must be one of {', '.join(GROUPS)}")
             if op not in ("add", "remove"):
                 raise HttpApiError(400, "M_INVALID_PARAM", "op must be 'add' or 'remove'")
             if not isinstance(writer, str) or not _INSTANCE_NAME.fullmatch(writer):
@@ -71,10 +94,13 @@ class Master(Homeserver):
                         and isinstance(address[1], int) and 0 < address[1] < 65536 and len(address[0]) <= 255):
                     raise HttpApiError(400, "M_INVALID_PARAM", "address must be [host, port]")
                 where = (address[0], address[1])
-            return await resharder.reshard(op, writer, where)
+            return await resharder.reshard(op, writer, where, group)
 
         async def shards(args: Any) -> Any:
-            return await resharder.describe()
+            group = args.get("group", EVENTS_GROUP) if isinstance(args, dict) else EVENTS_GROUP
+            if group not in GROUPS:
+                raise HttpApiError(400, "M_INVALID_PARAM", f"group must be one of {', '.join(GROUPS)}")
+            return await resharder.describe(group)
 
         ctx.rpc.register(RESHARD_RPC, reshard)
         ctx.rpc.register(SHARDS_RPC, shards)

@@ -235,11 +235,11 @@ class ReshardMixin:
         done = yield threads.deferToThread(_ctl, "reshard", cluster.dir, "--add", "persister3")
         self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
         self.assertIn("persister3", done.stdout)
-        self.assertIn("epoch 2: add persister3", done.stdout)
+        self.assertIn("events epoch 2: add persister3", done.stdout)
         shown = yield threads.deferToThread(_ctl, "shards", cluster.dir)
         self.assertEqual(shown.returncode, 0, shown.stderr)
         self.assertIn("events: epoch 2, writers persister1, persister2, persister3", shown.stdout)
-        self.assertIn("hand-over in progress: none", shown.stdout)
+        self.assertIn("  hand-over in progress: none", shown.stdout)
         self.assertIn("epoch 1: add persister3 -> persister1, persister2, persister3 [rolled_back]", shown.stdout)
         # Sends now reach persister3's rooms through persister1's router.
         after = Workload(self.urls[1:], users=4, rooms=12, messages=60, seed=2, name_prefix="after")
@@ -293,5 +293,91 @@ class SqliteTcpReshardTest(ReshardMixin, TestCase):
 
 
 class PostgresRedisReshardTest(ReshardMixin, TestCase):
+    engine = "postgres"
+    transport = "redis"
+
+
+class FederationSendersMixin:
+    """1 -> 2 federation senders under continuous traffic to eight destinations (one recording receiver)."""
+
+    engine = "sqlite"
+    transport = "tcp"
+    timeout = 400
+    DESTINATIONS = [f"d{i}.test" for i in range(8)]
+
+    @inlineCallbacks
+    def test_one_to_two_senders_under_load(self):
+        """sender2 joins while messages flow: each destination gets every message once, in room order."""
+        from tests.integration.test_federation import (
+            FederationPair,
+            assert_same_rooms_in_order,
+            messages,
+            metric,
+        )
+        from tests.integration.test_federation_catch_up import RecordingReceiver
+
+        receiver = RecordingReceiver(self)
+        yield receiver.start()
+        client_port = free_port()
+        cluster = Cluster(self, engine=self.engine, transport=self.transport, writers=WRITERS, server_name="a.test",
+                          extra_instances=("sender1", "sender2"),
+                          shared={"federation_sender_instances": ["sender1"],
+                                  "federation": {**FederationPair.federation,
+                                                 "destinations": {d: f"http://127.0.0.1:{receiver.port}"
+                                                                  for d in self.DESTINATIONS}}})
+        yield cluster.start_master(listeners=[{"resources": ["client"],
+                                               "endpoint": f"tcp:{client_port}:interface=127.0.0.1"}])
+        for name in WRITERS:
+            cluster.start_twistd(name, "event_persister")
+        for name in ("sender1", "sender2"):
+            cluster.start_twistd(name, "federation_sender")
+        for name in (*WRITERS, "sender1", "sender2"):
+            yield cluster.wait_for_port(cluster.instance_ports[name], name)
+        config = load_config([cluster.shared_path, cluster.process_config("master", "master")])
+        from synflow.tools.client import Client, new_pool
+
+        pool = new_pool()
+        self.addCleanup(pool.closeCachedConnections)
+        alice = yield ensureDeferred(Client(f"http://127.0.0.1:{client_port}", pool).register("alice"))
+        rooms = []
+        for i in range(16):
+            room = yield ensureDeferred(alice.create_room())
+            yield ensureDeferred(alice.invite(room, f"@bob:{self.DESTINATIONS[i % 8]}"))
+            rooms.append(room)
+        m1 = ShardMap(["sender1"]).then(ShardStep("add", "sender2"))
+        moving = [d for d in self.DESTINATIONS if m1.owner(d) == "sender2"]
+        self.assertTrue(moving)
+
+        sent: list[str] = []
+
+        async def send_all(start: int, n: int) -> None:
+            for i in range(start, start + n):
+                result = await alice.send(rooms[i % len(rooms)], {"body": f"m{i}"}, f"t{i}")
+                sent.append(result["event_id"])
+
+        sending = ensureDeferred(send_all(0, 320))
+        while len(sent) < 100:
+            yield sleep(0.05)
+        result = yield threads.deferToThread(call_rpc, config, "master", "reshard",
+                                             {"op": "add", "writer": "sender2", "group": "federation"})
+        self.assertEqual((result["epoch"], result["writers"], result["moved"]), (1, ["sender1", "sender2"], len(moving)))
+        self.assertFalse(sending.called, "the sends finished before sender2 joined")
+        yield sending
+        yield wait_until(lambda: {e for _, e, _ in receiver.messages()} >= set(sent), 120,
+                         "every message to reach its destination")
+        yield sleep(1.0)  # anything sent twice would arrive by now
+        assert_same_rooms_in_order(self, messages(cluster), receiver.messages(), "a.test")
+        # sender2 sent the moved destinations' transactions after the hand-over; sender1 kept the others.
+        self.assertGreater(metric(cluster, "sender2", "synflow_federation_transactions_sent_total"), 0)
+        info = yield threads.deferToThread(call_rpc, config, "master", "shards", {"group": "federation"})
+        self.assertEqual(info["owned"], {"sender1": 8 - len(moving), "sender2": len(moving)})
+
+
+class SqliteTcpFederationSendersTest(FederationSendersMixin, TestCase):
+    engine = "sqlite"
+    transport = "tcp"
+
+
+class PostgresRedisFederationSendersTest(FederationSendersMixin, TestCase):
     engine = "postgres"
     transport = "redis"

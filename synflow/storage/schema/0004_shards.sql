@@ -1,4 +1,6 @@
--- Live resharding: each resharding stream's current epoch and the hand-over in progress.
+-- Live resharding: each shard group's current epoch and the hand-over in progress.
+-- Groups: 'events' (rooms over event persisters) and 'federation'
+-- (destinations over federation senders).
 --
 -- shard_state holds one row per stream that reshards. Every persist
 -- transaction reads its stream's row (on PostgreSQL FOR KEY SHARE), and the
@@ -10,6 +12,7 @@ CREATE TABLE shard_state (
     pending BIGINT
 );
 INSERT INTO shard_state (stream, epoch, pending) VALUES ('events', 0, NULL);
+INSERT INTO shard_state (stream, epoch, pending) VALUES ('federation', 0, NULL);
 
 -- One row per epoch: epoch 0 is the base list (stored at the first reshard),
 -- every later one adds or removes one writer. state: pending, current or
