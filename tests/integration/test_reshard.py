@@ -37,7 +37,7 @@ class ReshardMixin:
     @inlineCallbacks
     def start(self, third: bool = True):
         cluster = Cluster(self, engine=self.engine, transport=self.transport, writers=WRITERS,
-                          extra_instances=("persister3",))
+                          extra_instances=("persister3",), shared={"limits": {"reshard_max_wait_s": 2.0}})
         ports = {"master": free_port(), "persister1": free_port()}
         listeners = {n: [{"resources": ["client"], "endpoint": f"tcp:{p}:interface=127.0.0.1"}] for n, p in ports.items()}
         yield cluster.start_master(listeners=listeners["master"])
@@ -122,7 +122,12 @@ class ReshardMixin:
         during = [lat for t0, lat in workload.send_log if any(a - 0.5 <= t0 <= b + 0.5 for a, b, _ in changes)]
         steady = [lat for t0, lat in workload.send_log if not any(a - 0.5 <= t0 <= b + 0.5 for a, b, _ in changes)]
         self.assertTrue(during)
-        self.assertLess(max(workload.send_latencies), 2000.0)
+        # No send waited at a router longer than limits.reshard_max_wait_s (2 s here): one that had would
+        # have been refused with 503 and retried by its client. (The sends' total latencies are measured by
+        # scripts/bench --only reshard, not asserted.)
+        self.assertEqual(workload.send_retries, 0)
+        self.assertGreater(sum(cluster.metrics(n).get("synflow_shard_sends_held_total", 0)
+                               for n in ("master", "persister1")), 0)
         self.report = {"p99_during_ms": quantile(during, 0.99), "p99_steady_ms": quantile(steady, 0.99)}
 
         # The shard map as the master describes it, and the metrics.
