@@ -71,6 +71,10 @@ class ReshardMixin:
         self.addCleanup(lambda: ensureDeferred(workload.close()))
         yield ensureDeferred(workload.setup())
         chains = ensureDeferred(workload.sync_chains())
+        prober = ReadYourWrites(self.urls)
+        self.addCleanup(prober.close)
+        yield ensureDeferred(prober.setup())
+        probing = ensureDeferred(prober.run())
         sending = ensureDeferred(workload.send_messages(rate_per_s=150))
         import time
 
@@ -83,6 +87,12 @@ class ReshardMixin:
             yield sleep(3.0)
         self.assertFalse(sending.called, "the sends finished before the last change")
         yield sending
+        prober.stop = True
+        yield probing
+        # Read-your-writes held throughout: a sync from a send's token, on the other process, returned it first.
+        self.assertGreater(prober.probes, 20)
+        self.assertEqual(prober.failures, [])
+        self.assertTrue(prober.moved_rooms_probed(), "no probe used a room that moved")
         workload.stop_syncing()
         yield chains
         yield ensureDeferred(workload.drain())
@@ -144,8 +154,13 @@ class ReshardMixin:
         from tests.spark._session import summary, validate, violations
 
         out = os.path.join(cluster.dir, "validation")
-        code = validate(cluster.shared["audit"]["dir"], out)
-        self.assertEqual((code, violations(out)), (0, []))
+        validate(cluster.shared["audit"]["dir"], out)
+        # The prober syncs from each send's token, not along a chain: the validator reports its syncs as
+        # broken chains and its events as undelivered along one. Everything else is clean.
+        found = violations(out)
+        probing = {v["check"] for v in found if v.get("reader") == "@prober:test.local"}
+        self.assertLessEqual(probing, {"broken_chain", "undelivered"})
+        self.assertEqual([v for v in found if v.get("reader") != "@prober:test.local"], [])
         run = summary(out)
         self.assertIn("sharding_violation", run["parameters"]["checks"])
         self.assertEqual(run["checks"]["sharding_violation"]["count"], 0)
@@ -252,6 +267,48 @@ class ReshardMixin:
         yield ensureDeferred(after.setup())
         written = {w for (w,) in cluster.query("SELECT DISTINCT instance_name FROM events")}
         self.assertIn("persister3", written)
+
+
+class ReadYourWrites:
+    """One user with its own rooms: send on one process, sync from the send's token on the other, in a loop."""
+
+    def __init__(self, urls: list[str]) -> None:
+        from synflow.tools.client import new_pool
+
+        self.urls = urls
+        self.pool = new_pool()
+        self.rooms: list[str] = []
+        self.stop = False
+        self.probes = 0
+        self.failures: list[str] = []
+        self.used: set[str] = set()
+
+    def close(self) -> Any:
+        return self.pool.closeCachedConnections()
+
+    async def setup(self) -> None:
+        from synflow.tools.client import Client
+
+        self.client = await Client(self.urls[0], self.pool).register("prober")
+        self.rooms = [await self.client.create_room() for _ in range(12)]
+
+    async def run(self) -> None:
+        while not self.stop:
+            n = self.probes
+            room = self.rooms[n % len(self.rooms)]
+            sender, reader = self.client.at(self.urls[n % 2]), self.client.at(self.urls[(n + 1) % 2])
+            sent = await sender.send(room, {"body": f"ryw {n}"}, f"ryw{n}")
+            got = await reader.sync(since=sent["token"], timeout_ms=10_000)
+            first = got["events"][0]["event_id"] if got["events"] else None
+            if first != sent["event_id"]:
+                self.failures.append(f"probe {n} in {room}: sync from the send's token began with {first}")
+            self.used.add(room)
+            self.probes += 1
+
+    def moved_rooms_probed(self) -> bool:
+        m0 = ShardMap(list(WRITERS))
+        m2 = m0.then(ShardStep("add", "persister3")).then(ShardStep("remove", "persister2"))
+        return any(m0.owner(r) != m2.owner(r) for r in self.used)
 
 
 def _propose_directly(cluster: Cluster) -> None:
