@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -455,3 +456,46 @@ class StatusStopRestartTest(SynchronousTestCase):
                 argv = f.read().split()
             self.assertEqual(argv, ["--pidfile", proc.pid_file, "--logfile", proc.log_file, "synflow",
                                     "--config", proc.files[0], "--config", proc.files[1]])
+
+
+class ReshardCommandTest(SynchronousTestCase):
+    """synflowctl reshard/shards: argument and deployment errors are one clear line (the live paths run in
+    tests/integration/test_reshard.py)."""
+
+    def setUp(self) -> None:
+        self.dir = small_deployment(self, {"master": free_port(), "p1": free_port(), "p2": free_port()})
+
+    def run_main(self, *args: str) -> tuple[int, str]:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = ctl.main(list(args))
+            except SystemExit as e:
+                code = int(e.code or 0)
+        return code, out.getvalue() + err.getvalue()
+
+    def test_reshard_needs_add_or_remove(self):
+        """reshard with neither --add nor --remove (or both) is a usage error."""
+        code, text = self.run_main("reshard", self.dir)
+        self.assertEqual(code, 2)
+        self.assertIn("reshard needs --add NAME or --remove NAME", text)
+        code, text = self.run_main("reshard", self.dir, "--add", "p3", "--remove", "p2")
+        self.assertEqual(code, 2)
+        self.assertIn("not allowed with argument", text)
+
+    def test_unknown_process_named(self):
+        """--add of a process with no file in the directory names the file to add; nothing is started."""
+        out = io.StringIO()
+        self.assertEqual(ctl.reshard(ctl.discover(self.dir, []), "add", "p3", out), 1)
+        self.assertEqual(out.getvalue().strip(),
+                         "synflowctl: reshard failed: no process 'p3' in this deployment directory (add p3.yaml first)")
+
+    def test_master_down(self):
+        """With the master down, reshard --remove and shards say they cannot reach it, in one line."""
+        procs = ctl.discover(self.dir, [])
+        out = io.StringIO()
+        self.assertEqual(ctl.reshard(procs, "remove", "p2", out), 1)
+        self.assertRegex(out.getvalue().strip(), r"^synflowctl: reshard failed: cannot reach master at 127\.0\.0\.1:\d+")
+        out = io.StringIO()
+        self.assertEqual(ctl.shards(procs, out), 1)
+        self.assertRegex(out.getvalue().strip(), r"^synflowctl: cannot reach master at 127\.0\.0\.1:\d+")
