@@ -200,6 +200,9 @@ def _load_stream(found: _Found) -> StreamDef:
         raise PluginError(f"{what}: {stream!r} is not a synflow.api.Stream")
     if stream.name != found.name:
         raise PluginError(f"{what}: the stream is named {stream.name!r}, not {found.name!r}")
+    if stream.reshardable and stream.name != "events":
+        raise PluginError(f"{what}: reshardable is reserved for synflow's events stream "
+                          "(live resharding moves rooms between event persisters only)")
     return stream
 
 

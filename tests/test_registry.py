@@ -143,6 +143,14 @@ class DiscoveryTest(_Files):
             registry.discover(refresh=True)
         self.assertIn("the class is named 'note_writer', not 'scribe'", str(cm.exception))
 
+    def test_plugin_stream_may_not_reshard(self):
+        """A plugin stream that claims to reshard live is refused: only synflow's events stream does."""
+        source = NOTES_PLUGIN + "\n\nimport attrs as _attrs\nLIVE = _attrs.evolve(NOTES, reshardable=True)\n"
+        install_fake_distribution(self, "live-plugin", {"live_plugin": source}, streams={"notes": "live_plugin:LIVE"})
+        with self.assertRaises(PluginError) as cm:
+            registry.discover(refresh=True)
+        self.assertIn("reshardable is reserved for synflow's events stream", str(cm.exception))
+
     def test_two_types_reserving_one_instance_name(self):
         """A plugin reserving the instance name another worker type reserves is refused, naming both."""
         source = NOTES_PLUGIN + '\n\nclass Boss(NoteWriter):\n    name = "boss"\n    reserved_instance_name = "master"\n'

@@ -569,6 +569,18 @@ def _proc_named(procs: list[Proc], name: str) -> Proc:
     raise RpcCallError(f"no process {name!r} in this deployment directory (add {name}.yaml first)")
 
 
+def _shard_group(proc: Proc) -> str:
+    """What ``proc`` owns a share of: rooms (an events writer) or destinations (a federation stream follower)."""
+    from synflow.streams import EVENTS
+
+    cls = registry.worker_type_for(proc.config)
+    if cls.declares_writer_of(EVENTS):
+        return "events"
+    if "federation" in cls.follows:
+        return "federation"
+    raise RpcCallError(f"{proc.name} ({cls.name}) neither persists events nor sends federation: it does not reshard")
+
+
 def reshard(procs: list[Proc], op: str, name: str, out: Any = None) -> int:
     """``reshard --add NAME`` / ``--remove NAME`` (see the module docstring); 0 on success, 1 on failure.
 
@@ -577,7 +589,7 @@ def reshard(procs: list[Proc], op: str, name: str, out: Any = None) -> int:
     out = out if out is not None else sys.stdout
     try:
         master, proc = _master(procs), _proc_named(procs, name)
-        group = "federation" if proc.config.app == "federation_sender" else "events"
+        group = _shard_group(proc)
         args: dict[str, Any] = {"op": op, "writer": name, "group": group}
         if op == "add":
             if start([proc], out) != 0:
