@@ -454,10 +454,29 @@ class ReplicationHandler:
         return Deferred.fromCoroutine(self._catch_up(view, source, conn, cmd))
 
     async def _catch_up(self, view: _StreamView, source: Source, conn: Connection, cmd: PositionCommand) -> None:
-        instance = cmd.instance_name
+        await self._read_up_to(view, source, cmd.instance_name, cmd.new_token)
+        if id(conn) in self._connected:
+            self._connected[id(conn)].add((view.stream.name, cmd.instance_name))
+
+    async def catch_up_writer(self, stream: str, instance: str, upto: int) -> None:
+        """Read ``instance``'s rows of ``stream`` up to ``upto`` from the catch-up source and apply them.
+
+        For a writer that will announce nothing more (one removed from the shard map while
+        it was dead): what it committed but never announced is read from the database.
+        ``upto`` must be a position the writer has completed everything up to.
+        """
+        view = self.views[stream]
+        source = self.sources.get(stream)
+        if source is None or upto <= view.positions.get(instance, 0):
+            return
+        self.stats.catch_ups += 1
+        logger.info("catching up %s of %s to %d from the database", stream, instance, upto)
+        await self._read_up_to(view, source, instance, upto)
+
+    async def _read_up_to(self, view: _StreamView, source: Source, instance: str, new_token: int) -> None:
         cur = view.positions.get(instance, 0)
-        while cur < cmd.new_token:
-            updates, upto, limited = await source.get_updates(instance, cur, cmd.new_token)
+        while cur < new_token:
+            updates, upto, limited = await source.get_updates(instance, cur, new_token)
             group: list[Any] = []
             for i, (token, row) in enumerate(updates):
                 group.append(row)
@@ -469,10 +488,8 @@ class ReplicationHandler:
             if not limited:
                 break
             cur = max(upto, view.positions.get(instance, 0))
-        if cmd.new_token > view.positions.get(instance, 0):
-            self._apply(view, instance, cmd.new_token, [])
-        if id(conn) in self._connected:
-            self._connected[id(conn)].add((view.stream.name, instance))
+        if new_token > view.positions.get(instance, 0):
+            self._apply(view, instance, new_token, [])
 
     # -- applying ---------------------------------------------------------------------------------
 

@@ -23,6 +23,8 @@ import logging
 import secrets
 from typing import Any
 
+from twisted.internet.defer import Deferred
+
 from synflow.caching import CacheRegistry, open_tier, tier_prefix
 from synflow.config import HostPort
 from synflow.events.persist import EventPersister, PersistResult
@@ -153,6 +155,17 @@ class Homeserver(WorkerType):
                     logger.info("events writer %s leaves this process's view (its epoch was rolled back)", writer)
         for writer, (host, port) in state.addresses.items():
             self.ctx.rpc_client.instance_map.setdefault(writer, HostPort(host, port))
+        for writer in sorted(set(self.ctx.handler.positions(EVENTS.name)) - writers):
+            # Removed: it can commit nothing more, but it may have died before announcing what it
+            # committed last. Read that from the database, so no sync misses it.
+            Deferred.fromCoroutine(self.catch_up_removed(writer)).addErrback(_log_catch_up_failure, writer)
+
+    async def catch_up_removed(self, writer: str) -> None:
+        """Apply the events a removed writer committed, up to its last, from the database."""
+        rows = await self.ctx.db.run_interaction(
+            "removed_writer_max", _max_event_txn, writer, read_only=True, idempotent=True)
+        if rows is not None:
+            await self.ctx.handler.catch_up_writer(EVENTS.name, writer, rows)
 
     def setup_federation_inbound(self, ctx: ProcessContext) -> None:
         """Inbound ``/send`` and ``get_missing_events`` behind the signature check, and the key server."""
@@ -219,3 +232,13 @@ class Homeserver(WorkerType):
         positions = dict(now.positions)
         positions[ids[result.instance_name]] = before
         return StreamToken.with_minimum(min(now.minimum, before), positions)
+
+
+def _log_catch_up_failure(failure: Any, writer: str) -> None:
+    logger.warning("catching up removed writer %s: %s", writer, failure.getErrorMessage())
+
+
+def _max_event_txn(txn: Any, writer: str) -> int | None:
+    txn.execute("SELECT MAX(stream_ordering) FROM events WHERE instance_name = ?", (writer,))
+    row = txn.fetchone()
+    return None if row is None or row[0] is None else int(row[0])
