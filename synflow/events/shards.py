@@ -273,6 +273,11 @@ class ShardFollower:
         finally:
             if timer.active():
                 timer.cancel()
+            if d in self._waiters:
+                self._waiters.remove(d)
+            if not self._waiters and self._poll is not None and self._poll.active():
+                self._poll.cancel()  # nobody waits: no timer outlives the last waiter
+                self._poll = None
 
     def _start_polling(self) -> None:
         if self._poll is None or not self._poll.active():
