@@ -189,8 +189,7 @@ class ReshardMixin:
         sending = ensureDeferred(workload.send_messages(rate_per_s=120))
         while sum(len(v) for v in workload.sent.values()) < 150:
             yield sleep(0.1)
-        cluster.signal("persister2", signal.SIGKILL)
-        yield wait_until(lambda: cluster.procs["persister2"].poll() is not None, 10, "persister2 to die")
+        cluster.kill("persister2")
         result = yield self.rpc("reshard", {"op": "remove", "writer": "persister2"})
         self.assertEqual((result["epoch"], result["writers"]), (2, ["persister1"]))
         self.assertFalse(sending.called, "the sends finished before the removal")
@@ -207,6 +206,17 @@ class ReshardMixin:
         p2_rooms = {r for (r,) in cluster.query("SELECT DISTINCT room_id FROM events WHERE instance_name = 'persister2'")}
         self.assertTrue(p2_rooms & late, "no room of persister2 was written by persister1 after the removal")
         self.assertEqual({w for (w,) in cluster.query("SELECT DISTINCT instance_name FROM events")}, set(WRITERS))
+        # The validator over the audit logs: nothing but what the kill itself explains.
+        from tests.integration.test_faults import lost_with_a_killed_issuer
+        from tests.spark._session import validate, violations
+
+        for name in ("master", "persister1"):
+            yield cluster.stop(name)
+        out = os.path.join(cluster.dir, "validation")
+        code = validate(cluster.shared["audit"]["dir"], out)
+        found = violations(out)
+        self.assertEqual([v for v in found if not lost_with_a_killed_issuer(v, cluster)], [])
+        self.assertEqual(code, 1 if any(v.get("severity") == "error" for v in found) else 0)
 
     @inlineCallbacks
     def test_master_restarted_mid_handover_rolls_back(self):
