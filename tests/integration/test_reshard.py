@@ -229,8 +229,7 @@ class ReshardMixin:
         moving = next(r for r in workload.rooms if m1.owner(r) == "persister3" and
                       ShardMap(list(WRITERS)).owner(r) == "persister1")
         # The master stops between proposing and committing: the pending epoch is what it leaves.
-        cluster.signal("master", signal.SIGKILL)
-        yield wait_until(lambda: cluster.procs["master"].poll() is not None, 10, "the master to die")
+        cluster.kill("master")
         _propose_directly(cluster)
         chains = ensureDeferred(workload.sync_chains())
         # A send of a moving room is refused by persister1's fence and held at its router meanwhile.
@@ -276,6 +275,18 @@ class ReshardMixin:
         yield ensureDeferred(after.setup())
         written = {w for (w,) in cluster.query("SELECT DISTINCT instance_name FROM events")}
         self.assertIn("persister3", written)
+        # The validator over the audit logs: nothing but what the kill itself explains.
+        from tests.integration.test_faults import lost_with_a_killed_issuer
+        from tests.spark._session import validate, violations
+
+        yield threads.deferToThread(_ctl, "stop", cluster.dir)
+        for name in ("persister1", "persister2", "master"):
+            yield cluster.stop(name)
+        out = os.path.join(cluster.dir, "validation")
+        code = validate(cluster.shared["audit"]["dir"], out)
+        found = violations(out)
+        self.assertEqual([v for v in found if not lost_with_a_killed_issuer(v, cluster)], [])
+        self.assertEqual(code, 1 if any(v.get("severity") == "error" for v in found) else 0)
 
 
 class ReadYourWrites:
