@@ -45,7 +45,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final
 
 import attrs
@@ -320,8 +320,11 @@ class Resharder:
     """
 
     def __init__(self, db: Database, followers: Mapping[str, ShardFollower], rpc_client: Any,
-                 instances: Callable[[], Sequence[str]], clock: Any, self_name: str) -> None:
+                 instances: Callable[[], Sequence[str]], clock: Any, self_name: str,
+                 recover_audit: Callable[[str], Awaitable[int]] | None = None) -> None:
         self.db = db
+        #: Re-records what a dead, removed events writer committed but never logged (see :meth:`reshard`).
+        self.recover_audit = recover_audit
         self.followers = dict(followers)
         self.rpc = rpc_client
         self.instances = instances
@@ -399,6 +402,7 @@ class Resharder:
             if address is not None:
                 self.rpc.instance_map.setdefault(writer, _host_port(address))
             failed = await self._prepare(group, epoch, writer if op == "add" else None)
+            dead = op == "remove" and any(f.startswith(f"{writer}:") for f in failed)
             if failed and op == "remove":
                 # Nobody joins a view when a writer leaves: a process that missed the prepare only
                 # learns of the move later (the fence refuses its writes, and its router re-routes).
@@ -417,6 +421,13 @@ class Resharder:
             HANDOVER_SECONDS.observe(seconds)
             if group == EVENTS_GROUP:
                 self._count(new_map, keys)
+                if dead and self.recover_audit is not None:
+                    # It can commit nothing more: record in its audit log what it committed last,
+                    # as its own start-up would have (the validator needs every event's writer record).
+                    recovered = await self.recover_audit(writer)
+                    if recovered:
+                        logger.warning("re-recorded %d events of removed writer %s missing from its audit log",
+                                       recovered, writer)
             logger.info("%s epoch %d is current: %s %s; %d of %d %s moved in %.3fs", group, epoch, op, writer, moved,
                         len(keys), _KEYS[group], seconds)
             return {"group": group, "epoch": epoch, "op": op, "writer": writer, "writers": list(new_map.writers),

@@ -5,9 +5,11 @@ Internal to synflow: not part of the public API (``synflow.api``).
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
+from synflow.audit import AuditLog
 from synflow.errors import HttpApiError
 from synflow.events.shards import (
     EVENTS_GROUP,
@@ -21,6 +23,7 @@ from synflow.events.shards import (
 from synflow.federation.edus import EduQueue
 from synflow.framework import Capability, ProcessContext
 from synflow.replication.commands import FederationAckCommand
+from synflow.storage.id_generators import recover_audit
 from synflow.streams import FEDERATION
 from synflow.worker_types._homeserver import Homeserver
 
@@ -73,9 +76,23 @@ class Master(Homeserver):
 
             self.sender_shards.on_state = follow_senders
             follow_senders(self.sender_shards.state)
+        config = ctx.config
+
+        async def recover_audit_of(writer: str) -> int:
+            # Only when the writer's log is here (one machine, a shared audit.dir): elsewhere its own
+            # files are out of reach, and re-recording from scratch would duplicate them.
+            if not config.audit.enabled or not os.path.isdir(os.path.join(config.audit_dir, "writer_logs", writer)):
+                return 0
+            audit = AuditLog(config.audit_dir, writer, ctx.clock, max_bytes=config.audit.max_bytes,
+                             retain_bytes=config.audit.retain_bytes, retain_days=config.audit.retain_days)
+            try:
+                return await recover_audit(ctx.db, audit, writer)
+            finally:
+                audit.close()
+
         resharder = self.resharder = Resharder(ctx.db, followers, ctx.rpc_client,
                                                lambda: sorted(ctx.rpc_client.instance_map), ctx.clock,
-                                               ctx.config.instance_name)
+                                               ctx.config.instance_name, recover_audit=recover_audit_of)
 
         async def reshard(args: Any) -> Any:
             if not isinstance(args, dict):

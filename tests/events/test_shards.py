@@ -182,3 +182,24 @@ class FenceTest(TestCase):
         # The held map is the old one again; sends of the rooms that were to move go to the master.
         (result,) = yield ensureDeferred(self.worker.router.persist([create(self.moving[1])]))
         self.assertIsNone(result.error)
+
+    @inlineCallbacks
+    def test_removing_a_dead_writer_records_its_unlogged_events(self):
+        """Removing a persister that does not answer commits, and its committed events missing from its audit
+        log are recorded there (as its own restart would), so the validator finds every event's writer."""
+        import glob
+        import os
+
+        results = yield self.worker.persister.persist([create(self.staying[0], txn_id="dead-1")])
+        sid = results[0].stream_ordering
+        # An event persister2 committed and died before logging: its row, and its (empty) log directory.
+        yield self.master.db.run_interaction(
+            "t", lambda t: t.execute("UPDATE events SET instance_name = 'persister2' WHERE stream_ordering = ?",
+                                     (sid,)))
+        logs = os.path.join(self.master.config.audit_dir, "writer_logs", "persister2")
+        os.makedirs(logs)
+        result = yield ensureDeferred(self.worker.resharder.reshard("remove", "persister2"))
+        self.assertEqual((result["epoch"], result["writers"]), (1, ["master"]))
+        facts = [json.loads(line) for path in glob.glob(os.path.join(logs, "*.jsonl")) for line in open(path)]
+        self.assertEqual([(f.get("stream"), f.get("stream_id")) for f in facts if f.get("stream_id") == sid],
+                         [("events", sid)])
