@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from typing import Any
 
 from twisted.internet import threads
@@ -75,7 +76,6 @@ class ReshardMixin:
         yield ensureDeferred(prober.setup())
         probing = ensureDeferred(prober.run())
         sending = ensureDeferred(workload.send_messages(rate_per_s=150))
-        import time
 
         yield sleep(3.0)
         changes = []
@@ -89,8 +89,9 @@ class ReshardMixin:
         prober.stop = True
         yield probing
         # Read-your-writes held throughout: a sync from a send's token, on the other process, returned it first.
-        self.assertGreaterEqual(prober.probes, 6)
         self.assertEqual(prober.failures, [])
+        self.assertLess(min(t0 for t0, _ in prober.times), changes[0][0], "no probe before the first change")
+        self.assertGreater(max(t1 for _, t1 in prober.times), changes[-1][1], "no probe after the last change")
         workload.stop_syncing()
         yield chains
         yield ensureDeferred(workload.drain())
@@ -266,6 +267,8 @@ class ReadYourWrites:
         self.stop = False
         self.probes = 0
         self.failures: list[str] = []
+        #: (monotonic start, end) of each probe.
+        self.times: list[tuple[float, float]] = []
 
     def close(self) -> Any:
         return self.pool.closeCachedConnections()
@@ -289,6 +292,7 @@ class ReadYourWrites:
         while not self.stop:
             n = self.probes
             room = self.rooms[n % len(self.rooms)]
+            started = time.monotonic()
             sender, reader = self.client.at(self.urls[n % 2]), self.client.at(self.urls[(n + 1) % 2])
             sent = await sender.send(room, {"body": f"ryw {n}"}, f"ryw{n}")
             got = await reader.sync(since=sent["token"], timeout_ms=10_000)
@@ -296,6 +300,7 @@ class ReadYourWrites:
             if first != sent["event_id"]:
                 self.failures.append(f"probe {n} in {room}: sync from the send's token began with {first}")
             self.probes += 1
+            self.times.append((started, time.monotonic()))
 
 
 def _propose_directly(cluster: Cluster) -> None:
