@@ -3,7 +3,9 @@
 
 trial's own summary (``PASSED (successes=N)``) is printed as usual; after it
 this wrapper prints ``N passed, N failed, N skipped`` and exits non-zero if
-anything failed, if trial printed no summary, or if no test ran at all.
+anything failed, if trial printed no summary, or if no test ran at all. The
+whole suite run in parallel is two trial runs side by side (see
+:func:`trial_runs`), whose counts the closing line adds up.
 
 Usage: python scripts/run_tests.py [trial options] [test modules...]
 """
@@ -12,8 +14,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterable
 
@@ -46,6 +50,11 @@ SLOW_FIRST = (
     "tests.integration.test_audit_disk_full",
 )
 
+#: A test module that imports this one uses the in-process Spark session: a JVM of its own in
+#: every trial worker that runs such a module, started cold (about 10 CPU-s) and slow on its
+#: first validator runs until the JIT has compiled Spark's planner (about 30 CPU-s more).
+SPARK_SESSION_MODULE = "tests.spark._session"
+
 SUMMARY = re.compile(r"^(PASSED|FAILED)(?: \((.*)\))?\s*$")
 
 
@@ -61,25 +70,46 @@ def summarize(output: Iterable[str], returncode: int) -> tuple[list[str], int]:
         N skipped``) and the exit code: 0 only if trial exited 0, at least
         one test passed, and none failed.
     """
-    summary = None
-    for line in output:
-        match = SUMMARY.match(line.strip())
-        if match:
-            summary = match
-    if summary is None:
-        return [f"trial printed no summary (exit code {returncode})", "0 passed, 1 failed"], 1
-    counts: dict[str, int] = {}
-    for part in (summary.group(2) or "").split(","):
-        if "=" in part:
-            key, _, value = part.strip().partition("=")
-            counts[key] = int(value)
-    passed = counts.get("successes", 0) + counts.get("expectedFailures", 0)
-    failed = counts.get("failures", 0) + counts.get("errors", 0) + counts.get("unexpectedSuccesses", 0)
-    skipped = counts.get("skips", 0)
+    return summarize_runs([(output, returncode)])
+
+
+def summarize_runs(runs: Iterable[tuple[Iterable[str], int]]) -> tuple[list[str], int]:
+    """:func:`summarize` for several trial runs (the suite's lanes) together: their counts add up.
+
+    Args:
+        runs: each run's output lines and exit code.
+
+    Returns:
+        The closing lines and the exit code: 0 only if every run exited 0 with a
+        ``PASSED`` summary, at least one test passed, and none failed.
+    """
+    passed = failed = skipped = 0
+    notes: list[str] = []
+    ok = True
+    for output, returncode in runs:
+        summary = None
+        for line in output:
+            match = SUMMARY.match(line.strip())
+            if match:
+                summary = match
+        if summary is None:
+            notes.append(f"trial printed no summary (exit code {returncode})")
+            continue
+        counts: dict[str, int] = {}
+        for part in (summary.group(2) or "").split(","):
+            if "=" in part:
+                key, _, value = part.strip().partition("=")
+                counts[key] = int(value)
+        passed += counts.get("successes", 0) + counts.get("expectedFailures", 0)
+        failed += counts.get("failures", 0) + counts.get("errors", 0) + counts.get("unexpectedSuccesses", 0)
+        skipped += counts.get("skips", 0)
+        ok = ok and returncode == 0 and summary.group(1) == "PASSED"
+    if notes:
+        return [*notes, f"{passed} passed, {failed + len(notes)} failed"], 1
     lines = [f"{passed} passed, {failed} failed, {skipped} skipped"]
     if passed + failed == 0:
         return ["no test ran", *lines], 1
-    return lines, 0 if failed == 0 and returncode == 0 and summary.group(1) == "PASSED" else 1
+    return lines, 0 if failed == 0 and ok else 1
 
 
 def trial_args(argv: list[str], jobs: str | None, cpus: int | None, modules: list[str] | None = None) -> list[str]:
@@ -124,21 +154,95 @@ def test_modules(root: str = "tests") -> list[str]:
     return sorted(found)
 
 
+def uses_spark_session(module: str, top: str = ".") -> bool:
+    """Whether the test module ``module`` (dotted, under the directory ``top``) imports :data:`SPARK_SESSION_MODULE`."""
+    with open(os.path.join(top, *module.split(".")) + ".py", encoding="utf-8") as f:
+        return SPARK_SESSION_MODULE in f.read()
+
+
+def trial_runs(argv: list[str], jobs: str | None, cpus: int | None, modules: list[str] | None = None,
+               session_modules: Iterable[str] = ()) -> list[tuple[str, list[str]]]:
+    """The trial runs to start side by side, each as ``(lane name, trial arguments)``.
+
+    A named subset, or a run in one process, is one run of :func:`trial_args`. The whole suite
+    run by two workers or more is split into two lanes run at once, the workers shared between
+    them: ``spark``, the modules of ``session_modules`` (those that use the in-process Spark
+    session), and ``main``, the others. Only the spark lane's workers then start a session JVM
+    and warm it, instead of every worker of the suite.
+
+    Args:
+        argv, jobs, cpus, modules: as for :func:`trial_args`.
+        session_modules: the modules of ``modules`` that use the in-process Spark session.
+    """
+    args = trial_args(argv, jobs, cpus, modules)
+    spark = [m for m in modules or () if m in set(session_modules)]
+    rest = [m for m in modules or () if m not in set(spark)]
+    whole_in_parallel = args[:1] == ["-j"] and modules and args[2:] == slow_first(modules)
+    if not whole_in_parallel or not spark or not rest or int(args[1]) < 2:
+        return [("main", args)]
+    n = int(args[1])
+    return [("spark", ["-j", str(n // 2), *slow_first(spark)]),
+            ("main", ["-j", str(n - n // 2), *slow_first(rest)])]
+
+
+def prepare_lanes_directory(temp: str) -> None:
+    """Make ``temp`` the lanes' parent directory: emptied if trial made it before, and marked as trial's.
+
+    trial refuses to reuse a directory without its marker file, so the marker lets a later run in
+    one process (``scripts/test tests.x``) take ``temp`` over again.
+    """
+    if os.path.exists(os.path.join(temp, "_trial_marker")):
+        shutil.rmtree(temp)
+    os.makedirs(temp, exist_ok=True)
+    with open(os.path.join(temp, "_trial_marker"), "w", encoding="utf-8"):
+        pass
+
+
+def _describe(args: list[str]) -> str:
+    return " ".join(args[:2]) if args[:1] == ["-j"] else "one process"
+
+
 def main(argv: list[str]) -> int:
-    args = trial_args(argv, os.environ.get("SYNFLOW_TEST_JOBS"), os.cpu_count(), test_modules())
-    cmd = [sys.executable, "-m", "twisted.trial", "--temp-directory", os.environ.get("SYNFLOW_TRIAL_TEMP", "_trial_temp"), *args]
+    modules = test_modules()
+    runs = trial_runs(argv, os.environ.get("SYNFLOW_TEST_JOBS"), os.cpu_count(), modules,
+                      [m for m in modules if uses_spark_session(m)])
+    temp = os.environ.get("SYNFLOW_TRIAL_TEMP", "_trial_temp")
     started = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-    assert proc.stdout is not None
-    seen: list[str] = []
-    for line in proc.stdout:
-        sys.stdout.write(line)
-        sys.stdout.flush()
-        if SUMMARY.match(line.strip()):
-            seen.append(line)
-    rc = proc.wait()
-    print(f"trial phase: {time.monotonic() - started:.0f} s ({' '.join(args[:2]) if args[:1] == ['-j'] else 'one process'})")
-    closing, code = summarize(seen, rc)
+    lock = threading.Lock()
+    seen: dict[str, list[str]] = {name: [] for name, _ in runs}
+    procs = []
+    if len(runs) > 1:
+        prepare_lanes_directory(temp)
+    for name, args in runs:
+        # Each lane has its own temporary directory: one trial run at a time may use one.
+        directory = temp if len(runs) == 1 else os.path.join(temp, name)
+        if len(runs) > 1:
+            print(f"trial lane {name}: {_describe(args)}, {len(args) - 2} modules", flush=True)
+        cmd = [sys.executable, "-m", "twisted.trial", "--temp-directory", directory, *args]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1))
+
+    def relay(name: str, proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            with lock:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+            if SUMMARY.match(line.strip()):
+                seen[name].append(line)
+
+    threads = [threading.Thread(target=relay, args=(name, proc)) for (name, _), proc in zip(runs, procs)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    codes = [proc.wait() for proc in procs]
+    elapsed = time.monotonic() - started
+    if len(runs) == 1:
+        print(f"trial phase: {elapsed:.0f} s ({_describe(runs[0][1])})")
+    else:
+        lanes = ", ".join(f"{name} {_describe(args)}" for name, args in runs)
+        print(f"trial phase: {elapsed:.0f} s (-j {sum(int(args[1]) for _, args in runs)}: {lanes})")
+    closing, code = summarize_runs([(seen[name], rc) for (name, _), rc in zip(runs, codes)])
     for line in closing:
         print(line)
     return code

@@ -102,3 +102,61 @@ class TrialArgsTest(SynchronousTestCase):
         self.assertNotIn("tests.cluster", modules)
         for slow in run_tests.SLOW_FIRST:
             self.assertIn(slow, modules)
+
+
+class LanesTest(SynchronousTestCase):
+    def test_whole_suite_in_two_lanes(self):
+        """Run whole by two workers or more, the Spark-session modules get half of the workers in a lane of their
+        own and every other module the rest, each lane slowest first; every module is in exactly one lane."""
+        slow = run_tests.SLOW_FIRST
+        modules = ["tests.test_b", slow[0], "tests.spark.test_x", "tests.test_a", slow[2]]
+        session = [slow[0], "tests.spark.test_x"]
+        self.assertEqual(run_tests.trial_runs([], "4", 2, modules, session), [
+            ("spark", ["-j", "2", slow[0], "tests.spark.test_x"]),
+            ("main", ["-j", "2", slow[2], "tests.test_a", "tests.test_b"]),
+        ])
+        self.assertEqual(run_tests.trial_runs([], "3", 2, modules, session), [
+            ("spark", ["-j", "1", slow[0], "tests.spark.test_x"]),
+            ("main", ["-j", "2", slow[2], "tests.test_a", "tests.test_b"]),
+        ])
+
+    def test_one_run_otherwise(self):
+        """A named subset, one process, or a suite without Spark-session modules is one trial run."""
+        modules = ["tests.test_a", "tests.spark.test_x"]
+        session = ["tests.spark.test_x"]
+        self.assertEqual(run_tests.trial_runs(["tests.spark"], "4", 2, modules, session),
+                         [("main", ["-j", "4", "tests.spark"])])
+        self.assertEqual(run_tests.trial_runs([], "1", 2, modules, session), [("main", ["tests"])])
+        self.assertEqual(run_tests.trial_runs([], "4", 2, modules, []),
+                         [("main", ["-j", "4", "tests.spark.test_x", "tests.test_a"])])
+
+    def test_session_modules_found(self):
+        """The modules that use the in-process Spark session are recognised by their import of it."""
+        self.assertTrue(run_tests.uses_spark_session("tests.spark.test_validate", ROOT))
+        self.assertTrue(run_tests.uses_spark_session("tests.integration.test_federation", ROOT))
+        self.assertFalse(run_tests.uses_spark_session("tests.spark.test_pure", ROOT))
+        self.assertFalse(run_tests.uses_spark_session("tests.test_run_tests", ROOT))
+
+    def test_lanes_add_up(self):
+        """The closing line adds the lanes' counts; one failing or summary-less lane fails the whole run."""
+        passed, failed = _output("PASSED (successes=40, skips=1)"), _output("FAILED (failures=1, successes=2)")
+        self.assertEqual(run_tests.summarize_runs([(passed, 0), (_output("PASSED (successes=3)"), 0)]),
+                         (["43 passed, 0 failed, 1 skipped"], 0))
+        self.assertEqual(run_tests.summarize_runs([(passed, 0), (failed, 1)]), (["42 passed, 1 failed, 1 skipped"], 1))
+        self.assertEqual(run_tests.summarize_runs([(passed, 0), (["Traceback"], 1)]),
+                         (["trial printed no summary (exit code 1)", "40 passed, 1 failed"], 1))
+        self.assertEqual(run_tests.summarize_runs([(passed, 0), (_output("PASSED (successes=3)"), 1)])[1], 1)
+
+    def test_lanes_directory_is_trials(self):
+        """The lanes' parent directory replaces an old trial directory and can itself be taken over by trial."""
+        from twisted.python.filepath import FilePath
+        from twisted.trial.util import _removeSafely
+
+        temp = self.mktemp()
+        os.makedirs(os.path.join(temp, "0"))
+        open(os.path.join(temp, "_trial_marker"), "w").close()
+        run_tests.prepare_lanes_directory(temp)
+        self.assertEqual(os.listdir(temp), ["_trial_marker"])
+        os.makedirs(os.path.join(temp, "main"))
+        _removeSafely(FilePath(temp))  # what trial does before it reuses a temporary directory
+        self.assertFalse(os.path.exists(temp))

@@ -360,9 +360,23 @@ class FederationMixin(FederationPair):
     test_outage_past_catch_up_threshold.timeout = 600
 
     @inlineCallbacks
-    def test_edus_delivered_and_acknowledged(self):
-        """Typing EDUs reach the remote server; every sender acknowledges and the master trims its outbox."""
+    def test_inbound_refusals_then_edus_delivered(self):
+        """One pair of deployments: forged and malformed inbound /send requests are refused, then typing EDUs are delivered.
+
+        The three checks share the pair, in this order (each leaves what the
+        next asserts on untouched): :meth:`check_forged_send_refused` on a
+        pair nothing was sent on yet, :meth:`check_inbound_garbage_rejected`,
+        then :meth:`check_edus_delivered_and_acknowledged`, the only one that
+        makes the servers federate.
+        """
         yield self.pair()
+        yield self.check_forged_send_refused()
+        yield self.check_inbound_garbage_rejected()
+        yield self.check_edus_delivered_and_acknowledged()
+
+    @inlineCallbacks
+    def check_edus_delivered_and_acknowledged(self):
+        """Typing EDUs reach the remote server; every sender acknowledges and the master trims its outbox."""
         alice, bob, rooms = yield ensureDeferred(self.shared_rooms(4))
         for room in rooms:
             yield ensureDeferred(alice.typing(room, True))
@@ -400,10 +414,12 @@ class FederationMixin(FederationPair):
         """The signing key a deployment generated on its first start."""
         return load_or_create_signing_key(os.path.join(side.cluster.shared["data_dir"], "signing.key"))
 
-    @inlineCallbacks
-    def test_forged_send_refused(self):
-        """Forged /send requests claiming to be b.test get 401, persist nothing and poison no dedupe entry."""
-        yield self.pair()
+    def check_forged_send_refused(self):
+        """Forged /send requests claiming to be b.test get 401, persist nothing and poison no dedupe entry.
+
+        Run on a pair that has not federated yet: a.test has received no
+        transaction and refused no request before.
+        """
         b_key = self.signing_key(self.b)
         intruder = generate_signing_key(b_key.version)
         pdu = {"event_id": "$forged:b.test", "room_id": "!r:a.test", "type": "m.room.message",
@@ -440,9 +456,8 @@ class FederationMixin(FederationPair):
                                 outcome="unauthorized"), len(cases) - 1)
 
     @inlineCallbacks
-    def test_inbound_garbage_rejected(self):
+    def check_inbound_garbage_rejected(self):
         """Unsigned requests get 401; malformed signed ones exactly 400 with an error body; nothing is persisted; the master serves on."""
-        yield self.pair()
         b_key = self.signing_key(self.b)
         pdu = {"event_id": "$x:b.test", "room_id": "!r:a.test", "type": "m.room.message", "sender": "@bob:b.test",
                "content": {}, "origin_server_ts": 1}
@@ -477,9 +492,9 @@ class FederationMixin(FederationPair):
         padded = b'{"origin": "b.test", "origin_server_ts": 1, "pdus": []' + b" " * 1_500_000 + b"}"
         self.assertEqual(self.put_send("big-but-allowed", padded, b_key), (200, {"pdus": {}}))
         self.assertEqual(messages(self.a.cluster), [])
-        alice = yield ensureDeferred(Client(self.a.url, self.pool).register("alice"))
-        room = yield ensureDeferred(alice.create_room())
-        yield ensureDeferred(alice.send(room, {"body": "still serving"}, "t1"))
+        carol = yield ensureDeferred(Client(self.a.url, self.pool).register("carol"))
+        room = yield ensureDeferred(carol.create_room())
+        yield ensureDeferred(carol.send(room, {"body": "still serving"}, "t1"))
 
 
 class SqliteFederationTest(FederationMixin, TestCase):

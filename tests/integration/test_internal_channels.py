@@ -90,7 +90,23 @@ class DefaultDeploymentChannelsTest(TestCase):
     def refused(self, name: str) -> float:
         return scrape_metrics(self.internal[name]).get(REFUSED, 0.0)
 
-    def test_secret_created_private_and_shared(self):
+    @inlineCallbacks
+    def test_secret_shared_and_forgeries_refused(self):
+        """One default deployment: its secret is private and shared, and raw, forged and unauthenticated messages are refused.
+
+        The four checks share the deployment, in an order where each leaves what
+        the next asserts on untouched: :meth:`check_secret_created_private_and_shared`,
+        :meth:`check_raw_hub_connection_without_secret_refused` (no reader has
+        refused anything yet), :meth:`check_forged_position_with_secret_refused`
+        (the writers' positions are still), then
+        :meth:`check_rpc_without_bearer_token_is_401_and_persists_nothing`.
+        """
+        self.check_secret_created_private_and_shared()
+        self.check_raw_hub_connection_without_secret_refused()
+        yield self.check_forged_position_with_secret_refused()
+        self.check_rpc_without_bearer_token_is_401_and_persists_nothing()
+
+    def check_secret_created_private_and_shared(self):
         """synflowctl start created one 0600 secret under data_dir, and every process authenticated with it."""
         mode = stat.S_IMODE(os.stat(self.secret_path).st_mode)
         self.assertEqual(mode, 0o600)
@@ -99,7 +115,7 @@ class DefaultDeploymentChannelsTest(TestCase):
             with urllib.request.urlopen(f"http://127.0.0.1:{self.internal[name]}/health", timeout=10) as r:
                 self.assertEqual(r.status, 200, name)
 
-    def test_raw_hub_connection_without_secret_refused(self):
+    def check_raw_hub_connection_without_secret_refused(self):
         """A raw TCP line on the hub without AUTH gets an error and a close; the forged POSITION it carried moves nothing."""
         with socket.create_connection(("127.0.0.1", self.hub_port), timeout=10) as s:
             s.sendall(b"NAME intruder\n" + FORGED + b"\n")
@@ -114,7 +130,7 @@ class DefaultDeploymentChannelsTest(TestCase):
             self.assertEqual(self.refused(name), 0.0, name)  # never got as far as the position check
 
     @inlineCallbacks
-    def test_forged_position_with_secret_refused(self):
+    def check_forged_position_with_secret_refused(self):
         """A forged POSITION from a connection holding the secret is refused by every reader, whose views stay put;
         sends afterwards are all seen in sync (no reader takes the real persister's rows for stale ones)."""
         before = {name: {w: _view(self.internal[name], w) for w in WRITERS} for name in PROCESSES}
@@ -155,7 +171,7 @@ class DefaultDeploymentChannelsTest(TestCase):
         log = self.logs()
         self.assertIn("refused POSITION events persister1 100 999999999", log)
 
-    def test_rpc_without_bearer_token_is_401_and_persists_nothing(self):
+    def check_rpc_without_bearer_token_is_401_and_persists_nothing(self):
         """persist_events without the bearer token (or with a wrong one) is 401, closes the connection and persists
         nothing; the same request with the token persists its event."""
         room = next(r for r in (f"!r{n}:localhost" for n in range(1000)) if shard_for(r, WRITERS) == "persister1")

@@ -111,9 +111,20 @@ class PersisterMixin:
                 self.assertEqual(got, [e for e in db_order.get(room, []) if e in set(got)])
 
     @inlineCallbacks
-    def test_read_your_writes_across_processes(self):
-        """A sent event is returned at once by a sync from the send's token on the sending process, and on another."""
+    def test_malformed_since_then_read_your_writes(self):
+        """One deployment: a malformed since is refused while every process keeps serving, then reads follow writes.
+
+        :meth:`check_malformed_since_keeps_serving` runs first, then
+        :meth:`check_read_your_writes_across_processes` on the same processes
+        (each registers its own user).
+        """
         yield self.start()
+        yield self.check_malformed_since_keeps_serving()
+        yield self.check_read_your_writes_across_processes()
+
+    @inlineCallbacks
+    def check_read_your_writes_across_processes(self):
+        """A sent event is returned at once by a sync from the send's token on the sending process, and on another."""
         pool_workload = Workload(self.urls, users=1, rooms=0)
         self.addCleanup(lambda: ensureDeferred(pool_workload.close()))
         a = Client(self.urls[1], pool_workload.pool)
@@ -135,9 +146,8 @@ class PersisterMixin:
         self.assertEqual(owners, set(WRITERS))
 
     @inlineCallbacks
-    def test_malformed_since_keeps_serving(self):
+    def check_malformed_since_keeps_serving(self):
         """A malformed since gets 400 with an errcode on every process, which keeps serving."""
-        yield self.start()
         w = Workload(self.urls, users=1, rooms=0)
         self.addCleanup(lambda: ensureDeferred(w.close()))
         c = Client(self.urls[0], w.pool)
