@@ -34,6 +34,7 @@ WORKERS_PER_CPU = 2
 #: instead of one long test starting last and running alone.
 SLOW_FIRST = (
     "tests.integration.test_faults",
+    "tests.integration.test_reshard",
     "tests.integration.test_federation",
     "tests.spark.test_cli",
     "tests.spark.test_cluster",
