@@ -94,7 +94,7 @@ def run(quick: bool, progress: Progress) -> dict[str, Any]:
                 began = time.monotonic()
                 changed = await threads.deferToThread(call_rpc, master, "master", "reshard", {"op": op, "writer": name})
                 changes.append((began, time.monotonic(), changed))
-                progress(f"epoch {changed['epoch']}: {op} {name}, {changed['rooms_moved']}/{changed['rooms_total']} "
+                progress(f"epoch {changed['epoch']}: {op} {name}, {changed['moved']}/{changed['total']} "
                          f"rooms moved in {changed['seconds'] * 1000:.0f} ms")
             await sending
             result["t"] = (t_start, time.monotonic())
@@ -116,9 +116,9 @@ def run(quick: bool, progress: Progress) -> dict[str, Any]:
     if not report.ok:
         raise RuntimeError(f"resharding lost or reordered messages: {report.as_dict()}")
     add, remove = (c[2] for c in changes)
-    moved_add = add["rooms_moved"] / add["rooms_total"]
-    moved_remove = remove["rooms_moved"] / remove["rooms_total"]
-    per_room = [c[2]["seconds"] * 1000 for c in changes for _ in range(c[2]["rooms_moved"])]
+    moved_add = add["moved"] / add["total"]
+    moved_remove = remove["moved"] / remove["total"]
+    per_room = [c[2]["seconds"] * 1000 for c in changes for _ in range(c[2]["moved"])]
     t_start, t_end = result["t"]
     rates = _rates(workload.send_log, t_start + 1.0, t_end)  # the first second ramps up
 

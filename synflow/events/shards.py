@@ -201,13 +201,6 @@ class ShardFollower:
         self._waiters: list[Deferred[bool]] = []
         self._poll: Any = None
 
-    def owner_for_send(self, room_id: str) -> str | None:
-        """The persister to send ``room_id``'s events to now; None while the room moves."""
-        state = self.state
-        if state.moving(room_id):
-            return None
-        return state.current.owner(room_id)
-
     def reload(self) -> Deferred[ShardState]:
         """Read the map from the database and apply it.
 
@@ -366,8 +359,7 @@ class Resharder:
         history = await self.db.run_interaction("shard_history", _history_txn, group, read_only=True)
         return {
             "group": group, "keys": _KEYS[group], "epoch": state.current.epoch,
-            "writers": list(state.current.writers), "rooms" if group == EVENTS_GROUP else "destinations": per_writer,
-            "owned": per_writer,
+            "writers": list(state.current.writers), "owned": per_writer,
             "pending": None if state.pending is None else {
                 "epoch": state.pending.epoch, "writers": list(state.pending.writers),
                 "moving": sum(1 for k in keys if state.moving(k))},
@@ -431,8 +423,7 @@ class Resharder:
             logger.info("%s epoch %d is current: %s %s; %d of %d %s moved in %.3fs", group, epoch, op, writer, moved,
                         len(keys), _KEYS[group], seconds)
             return {"group": group, "epoch": epoch, "op": op, "writer": writer, "writers": list(new_map.writers),
-                    "keys": _KEYS[group], "rooms_moved": moved, "rooms_total": len(keys),
-                    "moved": moved, "total": len(keys), "seconds": round(seconds, 4)}
+                    "keys": _KEYS[group], "moved": moved, "total": len(keys), "seconds": round(seconds, 4)}
         finally:
             self.busy = False
             HANDOVERS_IN_PROGRESS.dec()
@@ -535,7 +526,7 @@ def _finish_txn(txn: Txn, epoch: int, commit: bool, moved: int | None, total: in
         txn.execute("UPDATE shard_state SET epoch = ?, pending = NULL WHERE stream = ?", (epoch, group))
     else:
         txn.execute("UPDATE shard_state SET pending = NULL WHERE stream = ?", (group,))
-    txn.execute("UPDATE shard_epochs SET state = ?, finished_ts = ?, rooms_moved = ?, rooms_total = ? "
+    txn.execute("UPDATE shard_epochs SET state = ?, finished_ts = ?, moved = ?, total = ? "
                 "WHERE stream = ? AND epoch = ?",
                 ("current" if commit else "rolled_back", now_ms, moved, total, group, epoch))
 
@@ -549,7 +540,7 @@ def _keys_txn(txn: Txn, group: str) -> list[str]:
 
 
 def _history_txn(txn: Txn, group: str = EVENTS_GROUP) -> list[dict[str, Any]]:
-    txn.execute("SELECT epoch, op, writer, writers, state, proposed_ts, finished_ts, rooms_moved, rooms_total "
+    txn.execute("SELECT epoch, op, writer, writers, state, proposed_ts, finished_ts, moved, total "
                 "FROM shard_epochs WHERE stream = ? ORDER BY epoch", (group,))
     keys = ("epoch", "op", "writer", "writers", "state", "proposed_ts", "finished_ts", "moved", "total")
     out = []

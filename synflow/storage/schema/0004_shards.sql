@@ -28,7 +28,8 @@ CREATE TABLE shard_epochs (
     floor_position BIGINT NOT NULL,
     proposed_ts BIGINT NOT NULL,
     finished_ts BIGINT,
-    rooms_moved BIGINT,
-    rooms_total BIGINT,
+    -- keys (rooms or destinations) the epoch moved, of those known when it committed
+    moved BIGINT,
+    total BIGINT,
     PRIMARY KEY (stream, epoch)
 );
