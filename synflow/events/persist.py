@@ -449,20 +449,6 @@ class EventPersister:
             if owner != self.instance_name:
                 raise WrongPersister(spec.room_id, owner, self.instance_name)
 
-    async def check_owner_fresh(self, specs: Sequence[EventSpec]) -> None:
-        """:meth:`check_owner`, after re-reading the shard map if this process's copy disagrees.
-
-        Raises:
-            WrongPersister: naming the first foreign room's owner in the stored map.
-        """
-        try:
-            self.check_owner(specs)
-        except WrongPersister:
-            if self.follower is None:
-                raise
-            await self.follower.reload()
-            self.check_owner(specs)
-
     def persist(self, specs: Sequence[EventSpec]) -> Deferred[list[PersistResult]]:
         """Queue events for the next batches; fires with one result per event.
 
@@ -471,7 +457,8 @@ class EventPersister:
         out of bounds gets its own :class:`~synflow.errors.BadEvent` result
         without being queued. A call with an event of a room another
         persister owns is refused whole (:class:`~synflow.errors.WrongPersister`),
-        before any of its events is queued.
+        before any of its events is queued; when this process follows a shard map
+        that says so, the map is re-read first (it may be an epoch behind).
         """
         try:
             self.check_owner(specs)
@@ -482,7 +469,9 @@ class EventPersister:
         return self._enqueue(specs)
 
     async def _persist_after_reload(self, specs: Sequence[EventSpec]) -> list[PersistResult]:
-        await self.check_owner_fresh(specs)
+        assert self.follower is not None
+        await self.follower.reload()
+        self.check_owner(specs)
         return await self._enqueue(specs)
 
     def _enqueue(self, specs: Sequence[EventSpec]) -> Deferred[list[PersistResult]]:
