@@ -83,7 +83,7 @@ SENDS_WAITING = gauge("synflow_shard_sends_waiting", "Sends held at this router 
 SENDS_HELD = counter("synflow_shard_sends_held_total", "Sends held at this router until a hand-over ended")
 SENDS_REROUTED = counter("synflow_shard_sends_rerouted_total",
                          "Sends a persister refused for a stale shard map, re-routed by this router")
-SHARD_EPOCH = gauge("synflow_shard_epoch", "The shard-map epoch this process follows")
+SHARD_EPOCH = gauge("synflow_shard_epoch", "The shard-map epoch this process follows, per group", ["group"])
 
 
 @attrs.frozen
@@ -242,7 +242,7 @@ class ShardFollower:
                     "" if state.pending is None else f" (epoch {state.pending.epoch} pending)",
                     list(state.current.writers))
         self.state = state
-        SHARD_EPOCH.set(state.current.epoch)
+        SHARD_EPOCH.labels(group=self.group).set(state.current.epoch)
         if self.on_state is not None:
             self.on_state(state)
         waiters, self._waiters = self._waiters, []

@@ -149,6 +149,7 @@ class ReshardMixin:
         self.assertEqual(metrics['synflow_shard_rooms{writer="persister1"}'] + metrics['synflow_shard_rooms{writer="persister3"}'],
                          len(rooms))
         self.assertEqual(metrics["synflow_shard_handover_seconds_count"], 2)
+        self.assertEqual(metrics['synflow_shard_epoch{group="events"}'], 2)
 
         # The validator over every writer's audit log: clean, sharding_violation included.
         from tests.spark._session import summary, validate, violations
@@ -419,6 +420,9 @@ class FederationSendersMixin:
         self.assertGreater(metric(cluster, "sender2", "synflow_federation_transactions_sent_total"), 0)
         info = yield threads.deferToThread(call_rpc, config, "master", "shards", {"group": "federation"})
         self.assertEqual(info["owned"], {"sender1": 8 - len(moving), "sender2": len(moving)})
+        # Each group's epoch is its own: the senders' changed, the rooms' did not.
+        self.assertEqual((metric(cluster, "sender2", "synflow_shard_epoch", group="federation"),
+                          metric(cluster, "sender2", "synflow_shard_epoch", group="events")), (1, 0))
 
 
 class SqliteTcpFederationSendersTest(FederationSendersMixin, TestCase):
