@@ -370,12 +370,12 @@ class Resharder:
                       group: str = EVENTS_GROUP) -> dict[str, Any]:
         """Add or remove ``writer`` in ``group``: propose, prepare every process, commit (or roll back).
 
+        ``op`` is ``"add"`` or ``"remove"`` (the RPC handler checks what it is sent).
+
         Raises:
             HttpApiError: 409 if a hand-over is already in progress or the change is impossible;
                 503 if a process did not answer the prepare of an added writer (the epoch was rolled back).
         """
-        if op not in ("add", "remove"):
-            raise HttpApiError(400, "M_INVALID_PARAM", f"op must be add or remove, not {op!r}")
         follower = self._follower(group)
         if op == "add" and address is None and writer not in self.rpc.instance_map:
             raise HttpApiError(400, "M_INVALID_PARAM", f"adding {writer!r} needs its internal address")

@@ -98,9 +98,6 @@ class Master(Homeserver):
             if not isinstance(args, dict):
                 raise HttpApiError(400, "M_BAD_JSON", "reshard needs {op, writer[, address]}")
             op, writer, address = args.get("op"), args.get("writer"), args.get("address")
-            group = args.get("group", EVENTS_GROUP)
-            if group not in GROUPS:
-                raise HttpApiError(400, "M_INVALID_PARAM", f"group must be one of {', '.join(GROUPS)}")
             if op not in ("add", "remove"):
                 raise HttpApiError(400, "M_INVALID_PARAM", "op must be 'add' or 'remove'")
             if not isinstance(writer, str) or not _INSTANCE_NAME.fullmatch(writer):
@@ -111,13 +108,22 @@ class Master(Homeserver):
                         and isinstance(address[1], int) and 0 < address[1] < 65536 and len(address[0]) <= 255):
                     raise HttpApiError(400, "M_INVALID_PARAM", "address must be [host, port]")
                 where = (address[0], address[1])
-            return await resharder.reshard(op, writer, where, group)
+            return await resharder.reshard(op, writer, where, _group(args))
 
         async def shards(args: Any) -> Any:
-            group = args.get("group", EVENTS_GROUP) if isinstance(args, dict) else EVENTS_GROUP
-            if group not in GROUPS:
-                raise HttpApiError(400, "M_INVALID_PARAM", f"group must be one of {', '.join(GROUPS)}")
-            return await resharder.describe(group)
+            return await resharder.describe(_group(args))
 
         ctx.rpc.register(RESHARD_RPC, reshard)
         ctx.rpc.register(SHARDS_RPC, shards)
+
+
+def _group(args: Any) -> str:
+    """The ``group`` an RPC's arguments name (default ``events``).
+
+    Raises:
+        HttpApiError: 400 for anything but a known group.
+    """
+    group = args.get("group", EVENTS_GROUP) if isinstance(args, dict) else EVENTS_GROUP
+    if group not in GROUPS:
+        raise HttpApiError(400, "M_INVALID_PARAM", f"group must be one of {', '.join(GROUPS)}")
+    return str(group)

@@ -203,3 +203,33 @@ class FenceTest(TestCase):
         facts = [json.loads(line) for path in glob.glob(os.path.join(logs, "*.jsonl")) for line in open(path)]
         self.assertEqual([(f.get("stream"), f.get("stream_id")) for f in facts if f.get("stream_id") == sid],
                          [("events", sid)])
+
+    @inlineCallbacks
+    def test_reshard_rpc_refuses_malformed_arguments(self):
+        """The master's reshard and shards RPCs answer 400 to a bad op, writer, address or group; nothing changes."""
+        from synflow.config import HostPort
+        from synflow.http.rpc import PositionSource, RpcClient
+
+        port = self.master.listeners["internal"].bound_port
+        rpc = RpcClient(reactor, {"master": HostPort("127.0.0.1", port)},
+                        PositionSource(self.master.replication.handler, 1.0), self.master.config.replication_secret())
+        self.addCleanup(rpc.close)
+        bad = [
+            ("reshard", {"op": "swap", "writer": "persister3"}),
+            ("reshard", {"op": "add", "writer": "p 3\n"}),
+            ("reshard", {"op": "add", "writer": "x" * 65}),
+            ("reshard", {"op": "add", "writer": "persister3", "address": ["127.0.0.1", 70000]}),
+            ("reshard", {"op": "add", "writer": "persister3", "address": "127.0.0.1:9"}),
+            ("reshard", {"op": "remove", "writer": "persister2", "group": ["events"]}),
+            ("shards", {"group": "caches"}),
+        ]
+        for name, args in bad:
+            with self.assertRaises(HttpApiError) as cm:
+                yield ensureDeferred(rpc.call("master", name, args))
+            self.assertEqual(cm.exception.code, 400, (name, args))
+        with self.assertRaises(HttpApiError) as cm:  # a group this deployment does not reshard (no senders)
+            yield ensureDeferred(rpc.call("master", "reshard", {"op": "remove", "writer": "persister2",
+                                                                "group": "federation"}))
+        self.assertIn("federation_sender_instances is empty", cm.exception.msg)
+        state = yield self.master.db.run_interaction("t", load_state_txn, WRITERS)
+        self.assertEqual((state.current.epoch, state.pending), (0, None))
