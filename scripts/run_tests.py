@@ -199,6 +199,33 @@ def prepare_lanes_directory(temp: str) -> None:
         pass
 
 
+def slowest_report(path: str, count: int = 15) -> list[str]:
+    """The slowest modules and tests of a run, from the ``SYNFLOW_TEST_TIMES`` file at ``path``.
+
+    Each line of the file is ``test id, start, end, worker pid`` (tab-separated), written by
+    ``tests/__init__.py`` as each test ends.
+    """
+    tests: list[tuple[float, str]] = []
+    modules: dict[str, float] = {}
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for line in fh:
+                parts = line.rstrip("\n").split("\t")
+                if len(parts) != 4:
+                    continue
+                seconds = float(parts[2]) - float(parts[1])
+                tests.append((seconds, parts[0]))
+                module = ".".join(parts[0].split(".")[:-2])
+                modules[module] = modules.get(module, 0.0) + seconds
+    except OSError as e:
+        return [f"test times: cannot read {path}: {e.strerror}"]
+    lines = [f"slowest modules (wall seconds, summed over their tests; {len(tests)} tests timed):"]
+    lines += [f"  {s:7.1f}  {m}" for m, s in sorted(modules.items(), key=lambda kv: -kv[1])[:count]]
+    lines.append("slowest tests:")
+    lines += [f"  {s:7.1f}  {t}" for s, t in sorted(tests, reverse=True)[:count]]
+    return lines
+
+
 def _describe(args: list[str]) -> str:
     return " ".join(args[:2]) if args[:1] == ["-j"] else "one process"
 
@@ -208,9 +235,12 @@ def main(argv: list[str]) -> int:
     runs = trial_runs(argv, os.environ.get("SYNFLOW_TEST_JOBS"), os.cpu_count(), modules,
                       [m for m in modules if uses_spark_session(m)])
     temp = os.environ.get("SYNFLOW_TRIAL_TEMP", "_trial_temp")
+    if os.environ.get("SYNFLOW_TEST_TIMES"):
+        open(os.environ["SYNFLOW_TEST_TIMES"], "w", encoding="utf-8").close()
     started = time.monotonic()
     lock = threading.Lock()
     seen: dict[str, list[str]] = {name: [] for name, _ in runs}
+    finished: dict[str, float] = {}
     procs = []
     if len(runs) > 1:
         prepare_lanes_directory(temp)
@@ -230,6 +260,7 @@ def main(argv: list[str]) -> int:
                 sys.stdout.flush()
             if SUMMARY.match(line.strip()):
                 seen[name].append(line)
+        finished[name] = time.monotonic() - started
 
     threads = [threading.Thread(target=relay, args=(name, proc)) for (name, _), proc in zip(runs, procs)]
     for thread in threads:
@@ -238,10 +269,13 @@ def main(argv: list[str]) -> int:
         thread.join()
     codes = [proc.wait() for proc in procs]
     elapsed = time.monotonic() - started
+    if os.environ.get("SYNFLOW_TEST_TIMES"):
+        for line in slowest_report(os.environ["SYNFLOW_TEST_TIMES"]):
+            print(line)
     if len(runs) == 1:
         print(f"trial phase: {elapsed:.0f} s ({_describe(runs[0][1])})")
     else:
-        lanes = ", ".join(f"{name} {_describe(args)}" for name, args in runs)
+        lanes = ", ".join(f"{name} {_describe(args)} {finished.get(name, elapsed):.0f} s" for name, args in runs)
         print(f"trial phase: {elapsed:.0f} s (-j {sum(int(args[1]) for _, args in runs)}: {lanes})")
     closing, code = summarize_runs([(seen[name], rc) for (name, _), rc in zip(runs, codes)])
     for line in closing:

@@ -54,3 +54,24 @@ _handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(me
 _root = logging.getLogger()
 _root.addHandler(_handler)
 _root.setLevel(logging.DEBUG if os.environ.get("SYNFLOW_TEST_DEBUG") else logging.INFO)
+
+# SYNFLOW_TEST_TIMES=FILE: append one line per test to FILE (its id, start and end times and
+# the trial worker's pid), so that a run of the suite shows where its wall time goes
+# (``scripts/run_tests.py`` prints the slowest tests from it).
+if os.environ.get("SYNFLOW_TEST_TIMES"):
+    import time as _time
+
+    from twisted.trial._synctest import SynchronousTestCase as _Sync
+
+    _times_path = os.path.abspath(os.environ["SYNFLOW_TEST_TIMES"])
+    _plain_run = _Sync.run
+
+    def _timed_run(self, result):  # type: ignore[no-untyped-def]
+        start = _time.time()
+        try:
+            return _plain_run(self, result)
+        finally:
+            with open(_times_path, "a", encoding="utf-8") as _fh:
+                _fh.write(f"{self.id()}\t{start:.3f}\t{_time.time():.3f}\t{os.getpid()}\n")
+
+    _Sync.run = _timed_run  # type: ignore[method-assign]

@@ -160,3 +160,24 @@ class LanesTest(SynchronousTestCase):
         os.makedirs(os.path.join(temp, "main"))
         _removeSafely(FilePath(temp))  # what trial does before it reuses a temporary directory
         self.assertFalse(os.path.exists(temp))
+
+
+class SlowestReportTest(SynchronousTestCase):
+    def test_modules_and_tests_ranked_by_wall_time(self) -> None:
+        """The report sums each module's tests and lists the slowest first; bad lines are ignored."""
+        path = self.mktemp()
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write("tests.a.test_x.T.test_one\t100.0\t103.0\t11\n")
+            fh.write("tests.a.test_x.T.test_two\t100.0\t102.0\t12\n")
+            fh.write("tests.b.U.test_three\t50.0\t54.5\t11\n")
+            fh.write("a line cut short\n")
+        lines = run_tests.slowest_report(path)
+        self.assertEqual(lines[0], "slowest modules (wall seconds, summed over their tests; 3 tests timed):")
+        self.assertEqual(lines[1:3], ["      5.0  tests.a.test_x", "      4.5  tests.b"])
+        self.assertEqual(lines[4:], ["      4.5  tests.b.U.test_three", "      3.0  tests.a.test_x.T.test_one",
+                                     "      2.0  tests.a.test_x.T.test_two"])
+
+    def test_unreadable_file_is_one_line(self) -> None:
+        lines = run_tests.slowest_report(os.path.join(self.mktemp(), "missing.tsv"))
+        self.assertEqual(len(lines), 1)
+        self.assertIn("cannot read", lines[0])
