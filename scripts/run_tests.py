@@ -202,27 +202,29 @@ def prepare_lanes_directory(temp: str) -> None:
 def slowest_report(path: str, count: int = 15) -> list[str]:
     """The slowest modules and tests of a run, from the ``SYNFLOW_TEST_TIMES`` file at ``path``.
 
-    Each line of the file is ``test id, start, end, worker pid`` (tab-separated), written by
-    ``tests/__init__.py`` as each test ends.
+    Each line of the file is ``test id, start, end, worker pid, CPU seconds`` (tab-separated),
+    written by ``tests/__init__.py`` as each test ends.
     """
-    tests: list[tuple[float, str]] = []
-    modules: dict[str, float] = {}
+    tests: list[tuple[float, float, str]] = []
+    modules: dict[str, list[float]] = {}
     try:
         with open(path, encoding="utf-8") as fh:
             for line in fh:
                 parts = line.rstrip("\n").split("\t")
-                if len(parts) != 4:
+                if len(parts) != 5:
                     continue
-                seconds = float(parts[2]) - float(parts[1])
-                tests.append((seconds, parts[0]))
-                module = ".".join(parts[0].split(".")[:-2])
-                modules[module] = modules.get(module, 0.0) + seconds
+                wall, cpu = float(parts[2]) - float(parts[1]), float(parts[4])
+                tests.append((wall, cpu, parts[0]))
+                sums = modules.setdefault(".".join(parts[0].split(".")[:-2]), [0.0, 0.0])
+                sums[0] += wall
+                sums[1] += cpu
     except OSError as e:
         return [f"test times: cannot read {path}: {e.strerror}"]
-    lines = [f"slowest modules (wall seconds, summed over their tests; {len(tests)} tests timed):"]
-    lines += [f"  {s:7.1f}  {m}" for m, s in sorted(modules.items(), key=lambda kv: -kv[1])[:count]]
-    lines.append("slowest tests:")
-    lines += [f"  {s:7.1f}  {t}" for s, t in sorted(tests, reverse=True)[:count]]
+    total = sum(cpu for _, cpu, _ in tests)
+    lines = [f"slowest modules ({len(tests)} tests timed, {total:.0f} CPU-s in all; wall s, CPU s):"]
+    lines += [f"  {w:7.1f} {c:7.1f}  {m}" for m, (w, c) in sorted(modules.items(), key=lambda kv: -kv[1][0])[:count]]
+    lines.append("slowest tests (wall s, CPU s):")
+    lines += [f"  {w:7.1f} {c:7.1f}  {t}" for w, c, t in sorted(tests, reverse=True)[:count]]
     return lines
 
 

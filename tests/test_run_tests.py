@@ -167,15 +167,15 @@ class SlowestReportTest(SynchronousTestCase):
         """The report sums each module's tests and lists the slowest first; bad lines are ignored."""
         path = self.mktemp()
         with open(path, "w", encoding="utf-8") as fh:
-            fh.write("tests.a.test_x.T.test_one\t100.0\t103.0\t11\n")
-            fh.write("tests.a.test_x.T.test_two\t100.0\t102.0\t12\n")
-            fh.write("tests.b.U.test_three\t50.0\t54.5\t11\n")
+            fh.write("tests.a.test_x.T.test_one\t100.0\t103.0\t11\t6.0\n")
+            fh.write("tests.a.test_x.T.test_two\t100.0\t102.0\t12\t1.5\n")
+            fh.write("tests.b.U.test_three\t50.0\t54.5\t11\t2.0\n")
             fh.write("a line cut short\n")
         lines = run_tests.slowest_report(path)
-        self.assertEqual(lines[0], "slowest modules (wall seconds, summed over their tests; 3 tests timed):")
-        self.assertEqual(lines[1:3], ["      5.0  tests.a.test_x", "      4.5  tests.b"])
-        self.assertEqual(lines[4:], ["      4.5  tests.b.U.test_three", "      3.0  tests.a.test_x.T.test_one",
-                                     "      2.0  tests.a.test_x.T.test_two"])
+        self.assertEqual(lines[0], "slowest modules (3 tests timed, 10 CPU-s in all; wall s, CPU s):")
+        self.assertEqual(lines[1:3], ["      5.0     7.5  tests.a.test_x", "      4.5     2.0  tests.b"])
+        self.assertEqual(lines[4:], ["      4.5     2.0  tests.b.U.test_three", "      3.0     6.0  tests.a.test_x.T.test_one",
+                                     "      2.0     1.5  tests.a.test_x.T.test_two"])
 
     def test_unreadable_file_is_one_line(self) -> None:
         lines = run_tests.slowest_report(os.path.join(self.mktemp(), "missing.tsv"))
