@@ -1,4 +1,8 @@
-"""The job as a command: ``python -m spark.validate_tokens`` end to end and as a plain script."""
+"""The job as a command: ``python -m spark.validate_tokens`` end to end, as a plain script and under spark-submit.
+
+Every test here starts its own Spark, as an operator would; none uses the shared in-process
+session, so the module runs in the suite's main lane.
+"""
 
 from __future__ import annotations
 
@@ -169,25 +173,3 @@ class MasterChoiceTests(SynchronousTestCase):
         self.assertEqual(choose_master("local[2]", True, {"SPARK_MASTER": "yarn"}), "local[2]")
         self.assertIsNone(choose_master(None, True, {"SPARK_MASTER": "yarn"}))
         self.assertEqual(choose_master(None, False, {"SPARK_MASTER": "spark://h:7077"}), "spark://h:7077")
-
-
-class SessionSettingsTests(TestCase):
-    def test_session_broadcasts_only_hinted_joins(self):
-        """The job's session never broadcasts a join on a size estimate (at 10M rows that exhausted the driver)."""
-        from spark.session import get_session
-        from tests.spark._session import spark
-
-        session = get_session(shuffle_partitions=2) if spark() else None
-        assert session is not None
-        self.assertEqual(session.conf.get("spark.sql.autoBroadcastJoinThreshold"), "-1")
-        self.assertEqual(session.conf.get("spark.sql.adaptive.autoBroadcastJoinThreshold"), "-1")
-        self.assertEqual(session.conf.get("spark.sql.session.timeZone"), "UTC")
-
-    def test_job_session_runs_in_ansi_mode(self):
-        """The job's session turns ANSI mode on (its token parsing is written to never throw under it)."""
-        from spark.session import get_session
-        from tests.spark._session import spark
-
-        spark().conf.set("spark.sql.ansi.enabled", "false")
-        self.addCleanup(spark().conf.set, "spark.sql.ansi.enabled", "true")
-        self.assertEqual(get_session(shuffle_partitions=2).conf.get("spark.sql.ansi.enabled"), "true")
