@@ -259,6 +259,7 @@ class FaultMixin:
     engine = "sqlite"
     transport = "tcp"
     timeout = 900
+    maxDiff = None  # an unexplained violation is printed whole
     sending: Deferred[None]
 
     @inlineCallbacks
@@ -432,7 +433,10 @@ class FaultMixin:
         unexplained = [v for v in found if not lost_with_a_killed_issuer(v, cluster)]
         # The validator fails the run on any error, explained or not; every error must be explained.
         errors = any(v.get("severity") == "error" for v in found)
-        self.assertEqual((code, unexplained), (1 if errors else 0, []))
+        records = _token_records(cluster.shared["audit"]["dir"]) if unexplained else {}
+        context = {"kills_us": cluster.killed_at, "previous_token_records": [
+            records.get((v.get("reader"), v.get("prev_token"))) for v in unexplained]}
+        self.assertEqual((code, unexplained), (1 if errors else 0, []), context)
 
     @inlineCallbacks
     def kill_and_restart_under_load(self, cluster: Cluster, name: str, app: str):
@@ -545,8 +549,10 @@ class FaultMixin:
 
 
 #: How long before a SIGKILL a token may have been written to the audit log without its
-#: response ever reaching the client (the response is sent after the token is on disk).
-KILL_WINDOW_US = 2_000_000
+#: response ever reaching the client (the response is sent after the token is on disk). On a
+#: machine running the whole suite (load about 10 on 2 cores) the flush and the reactor turn that
+#: writes the response took longer than 2 s at least once.
+KILL_WINDOW_US = 5_000_000
 
 
 def _token_records(audit_dir: str) -> dict[tuple[str, str], dict[str, Any]]:
