@@ -19,10 +19,11 @@ settings.register_profile("dev", deadline=None, suppress_health_check=[HealthChe
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 #: Java options for the JVMs the tests start (the shared Spark session's, spark-submit's, the
-#: standalone cluster's daemons and executors). They live for seconds to a minute on inputs of a
-#: few thousand rows, where the optimising JIT compiler costs more CPU than it ever saves: with
-#: the quick compiler only, the spark-submit tests took half the CPU. Set either variable to override.
-TEST_JVM_OPTIONS = "-XX:TieredStopAtLevel=1"
+#: validator command line's, the standalone cluster's daemons and executors). They live for seconds
+#: to a minute on inputs of a few thousand rows, where the optimising JIT compiler and the parallel
+#: garbage collectors' threads cost more CPU than they ever save: with the quick compiler only, the
+#: spark-submit tests took half the CPU. Set either variable to override.
+TEST_JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 for _var in ("SPARK_SUBMIT_OPTS", "SPARK_DAEMON_JAVA_OPTS"):
     os.environ.setdefault(_var, TEST_JVM_OPTIONS)
 

@@ -34,12 +34,11 @@ def spark():
                   .config("spark.sql.ansi.enabled", "true")
                   .config("spark.driver.memory", "2g")
                   # The tests' inputs are a few thousand rows: generating and compiling Java code
-                  # for each query's expressions costs more than evaluating them interpreted, and
-                  # the parallel collector's threads more than they save. With both, and the quick
-                  # JIT compiler only (TEST_JVM_OPTIONS), a validator run takes about 40% less CPU.
-                  # spark-submit and the standalone cluster test keep Spark's default code
-                  # generation, as the validator's users run it.
-                  .config("spark.driver.extraJavaOptions", "-XX:+UseSerialGC")
+                  # for each query's expressions costs more than evaluating them interpreted. With
+                  # that, the serial collector and the quick JIT compiler only (TEST_JVM_OPTIONS),
+                  # a validator run takes about 40% less CPU. spark-submit and the standalone
+                  # cluster test keep Spark's default code generation, as the validator's users
+                  # run it.
                   .config("spark.sql.codegen.wholeStage", "false")
                   .config("spark.sql.codegen.factoryMode", "NO_CODEGEN")
                   .getOrCreate())

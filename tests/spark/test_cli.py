@@ -159,6 +159,15 @@ class SparkSubmitTests(TestCase):
 class MasterChoiceTests(SynchronousTestCase):
     """Which master a new session gets (a pure function, no Spark)."""
 
+    def test_collector_chosen_in_options(self):
+        """A collector named in the JVM options is kept: the session adds its own only without one."""
+        from spark.session import chooses_collector
+
+        self.assertTrue(chooses_collector("-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"))
+        self.assertTrue(chooses_collector("-XX:+UseG1GC"))
+        self.assertFalse(chooses_collector("-XX:TieredStopAtLevel=1 -Xmx2g"))
+        self.assertFalse(chooses_collector(""))
+
     def test_local_star_by_default(self):
         """Without --master, spark-submit or SPARK_MASTER, the job runs in local[*]."""
         from spark.session import choose_master
