@@ -432,6 +432,20 @@ class StatusStopRestartTest(SynchronousTestCase):
         os.chmod(fake, 0o755)
         return fake
 
+    def test_health_without_a_pidfile_is_not_a_start(self):
+        """A /health that answers 200 while the started process never wrote its pidfile is reported, not "healthy"."""
+        self.serve_health({"events": {"p1": 1, "p2": 1}})
+        fake = os.path.abspath(self.mktemp()) + "-twistd"
+        with open(fake, "w") as f:
+            f.write(f"#!{sys.executable}\nimport sys\n")  # exits 0, forks nothing, writes no pidfile
+        os.chmod(fake, 0o755)
+        self.patch(ctl, "twistd", lambda: fake)
+        out = io.StringIO()
+        self.patch(sys, "stdout", out)
+        self.assertNotEqual(ctl.main(["start", self.directory]), 0)
+        self.assertIn(f"answering /health, but {self.procs[0].pid_file} names no live process", out.getvalue())
+        self.assertNotIn("healthy (pid", out.getvalue())
+
     def test_restart(self):
         """restart stops every running process in reverse order, then starts each through twistd (master first) until healthy."""
         old = self.run_sleepers()

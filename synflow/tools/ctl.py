@@ -421,17 +421,21 @@ def _wait_healthy(proc: Proc, out: Any) -> bool:
         if pid_of(proc) is None and time.monotonic() > started + 2:
             break
         state, _ = health(proc)
-        if state == "healthy":
+        # Healthy means the process its pidfile names answers: until the pidfile is written, a
+        # 200 proves nothing about this start.
+        if state == "healthy" and pid_of(proc) is not None:
             break
         if time.monotonic() - dots >= 0.5:
             out.write(".")
             out.flush()
             dots = time.monotonic()
         time.sleep(HEALTH_POLL_S)
-    if state != "healthy":
-        out.write(f" {state}\n{_tail(proc.log_file)}\n")
+    pid = pid_of(proc)
+    if state != "healthy" or pid is None:
+        why = state if state != "healthy" else f"answering /health, but {proc.pid_file} names no live process"
+        out.write(f" {why}\n{_tail(proc.log_file)}\n")
         return False
-    out.write(f" healthy (pid {pid_of(proc)})\n")
+    out.write(f" healthy (pid {pid})\n")
     return True
 
 
