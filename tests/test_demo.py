@@ -119,3 +119,24 @@ class FreePortTest(SynchronousTestCase):
 
         ports = [free_port() for _ in range(300)]
         self.assertEqual(len(set(ports)), len(ports))
+
+    def test_ports_below_the_ephemeral_range(self):
+        """Below the kernel's ephemeral range, free_port picks from FREE_PORT_RANGE: ports no outgoing
+        connection can take between the probe and the bind; a port someone listens on is skipped."""
+        import socket
+
+        from synflow.tools import deploy
+
+        low, high = deploy.FREE_PORT_RANGE
+        ephemeral = deploy._ephemeral_low()
+        if ephemeral is None or ephemeral < high:
+            self.fail(f"this machine's ephemeral range starts at {ephemeral}, below {high}")
+        busy = socket.socket()
+        self.addCleanup(busy.close)
+        busy.bind(("127.0.0.1", low))
+        busy.listen()
+        self.patch(deploy, "FREE_PORT_RANGE", (low, low + 2))
+        self.patch(deploy, "_HANDED_OUT", set())
+        self.assertEqual(deploy.free_port(), low + 1)  # low is taken
+        # The range is used up: the kernel's ephemeral ports are the fallback.
+        self.assertGreaterEqual(deploy.free_port(), ephemeral)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sqlite3
 from typing import Any
 
@@ -166,6 +167,26 @@ class HealthTest(TestCase):
         self.assertEqual(code, 503)
         self.assertEqual((body["status"], body["problems"]), ("unhealthy", ["starting"]))
         self.assertEqual((body["instance"], body["app"]), ("master", "master"))
+
+    @inlineCallbacks
+    def test_listener_port_taken_fails_start_up(self) -> None:
+        """A listener whose port is taken fails start-up naming it: the process never reports itself started."""
+        deployment = Deployment(self)
+        port = deployment.ports["master"]
+        taken = socket.socket()
+        self.addCleanup(taken.close)
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        master = build_service(deployment.config("master", "master"), reactor, exit_on_failure=False)
+        master.startService()
+        self.addCleanup(master.stopService)
+        yield wait_until(lambda: master.failure is not None, 20, "start-up to fail")
+        self.assertFalse(master.started)
+        self.assertIn("cannot listen on", master.failure)
+        self.assertIn(str(port), master.failure)
+        self.assertIn("Address already in use", master.failure)
+        code, body = _render_health(master)
+        self.assertEqual((code, body["problems"]), (503, [master.failure]))
 
     @inlineCallbacks
     def test_replication_disconnected(self) -> None:

@@ -24,11 +24,12 @@ from typing import Any
 
 from twisted.application.service import MultiService
 from twisted.internet.defer import Deferred, succeed
+from twisted.internet.error import CannotListenError
 from twisted.internet.threads import deferToThreadPool
 
 from synflow import registry
 from synflow.app.replication import Replication, setup_replication
-from synflow.app.services import DatabaseProbe
+from synflow.app.services import DatabaseProbe, ListeningService
 from synflow.audit import AuditLog
 from synflow.config import SynflowConfig
 from synflow.errors import SynflowError
@@ -110,6 +111,15 @@ class ProcessService(MultiService):
         if when_ready is not None:
             await when_ready()
         self.app_services.setServiceParent(self)
+        # A listener that cannot bind its port fails start-up, naming it: a process must not report
+        # itself started while one of its listeners is missing.
+        for service in list(self.app_services):
+            if isinstance(service, ListeningService):
+                try:
+                    await service.when_listening()
+                except CannotListenError as e:
+                    raise SynflowError(f"{service.name}: cannot listen on {service.description}: "
+                                       f"{e.socketError}") from None
 
     async def setup_app(self) -> None:
         """Add the app type's services to ``self.app_services`` (subclasses)."""

@@ -11,6 +11,7 @@ Internal to synflow: not part of the public API (``synflow.api``).
 from __future__ import annotations
 
 import os
+import random
 import re
 import socket
 
@@ -31,12 +32,46 @@ FEDERATION_PORT = 8448
 _HANDED_OUT: set[int] = set()
 
 
+#: Where :func:`free_port` picks ports when the kernel's ephemeral range starts above it: ports
+#: the kernel never hands to outgoing connections, so a port probed free stays free until the
+#: process it is meant for binds it (an outgoing connection's local port could take an ephemeral
+#: one in between, and did, once, under the whole test suite).
+FREE_PORT_RANGE = (20000, 32000)
+_random = random.SystemRandom()
+
+
+def _ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int | None:
+    try:
+        with open(path, encoding="ascii") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def free_port() -> int:
-    """A loopback TCP port nobody listens on right now, never one this process was given before."""
+    """A loopback TCP port nobody listens on right now, never one this process was given before.
+
+    Taken at random from :data:`FREE_PORT_RANGE` when that is below the kernel's ephemeral range
+    (Linux's default starts at 32768), else from the kernel (``bind`` to port 0).
+    """
+    low, high = FREE_PORT_RANGE
+    ephemeral = _ephemeral_low()
+    below_ephemeral = ephemeral is not None and high <= ephemeral
+    for _ in range(200 if below_ephemeral else 0):
+        port = _random.randrange(low, high)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
     while True:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            port: int = s.getsockname()[1]
+            port = s.getsockname()[1]
         if port not in _HANDED_OUT:
             _HANDED_OUT.add(port)
             return port
