@@ -43,27 +43,34 @@ class ListeningService(Service):
         self.factory = factory
         self.port: IListeningPort | None = None
         self._listening: Deferred[IListeningPort] | None = None
+        self._failure: Failure | None = None
 
     def startService(self) -> None:
         super().startService()
         endpoint = serverFromString(self.reactor, self.description)
         self._listening = endpoint.listen(self.factory)
-        self._listening.addCallback(self._bound)
+        self._listening.addCallbacks(self._bound, self._not_bound)
 
     def _bound(self, port: IListeningPort) -> IListeningPort:
         self.port = port
         return port
 
+    def _not_bound(self, failure: Failure) -> None:
+        # Kept for when_listening (start-up awaits it), not left unhandled in the Deferred.
+        self._failure = failure
+
     def when_listening(self) -> Deferred[IListeningPort]:
-        """A Deferred firing with the listening port once it is bound."""
+        """A Deferred firing with the listening port once it is bound, or failing as the bind did."""
         if self.port is not None:
             return succeed(self.port)
         assert self._listening is not None, "service not started"
         d: Deferred[IListeningPort] = Deferred()
 
-        def relay(result: Any) -> Any:
-            d.callback(result)
-            return result
+        def relay(_: Any) -> None:
+            if self.port is not None:
+                d.callback(self.port)
+            else:
+                d.errback(self._failure)
 
         self._listening.addBoth(relay)
         return d
