@@ -189,6 +189,22 @@ class HealthTest(TestCase):
         self.assertEqual((code, body["problems"]), (503, [master.failure]))
 
     @inlineCallbacks
+    def test_hub_port_taken_fails_start_up(self) -> None:
+        """The master's replication hub listener is checked too: a taken hub port fails start-up naming it."""
+        deployment = Deployment(self)
+        taken = socket.socket()
+        self.addCleanup(taken.close)
+        taken.bind(("127.0.0.1", deployment.hub_port))
+        taken.listen()
+        master = build_service(deployment.config("master", "master"), reactor, exit_on_failure=False)
+        master.startService()
+        self.addCleanup(master.stopService)
+        yield wait_until(lambda: master.failure is not None, 20, "start-up to fail")
+        self.assertFalse(master.started)
+        self.assertIn("replication-hub: cannot listen on", master.failure)
+        self.assertIn(str(deployment.hub_port), master.failure)
+
+    @inlineCallbacks
     def test_replication_disconnected(self) -> None:
         """A worker whose hub goes away answers 503 naming the replication hub; while connected it answers 200."""
         deployment = Deployment(self)

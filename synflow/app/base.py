@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from twisted.application.service import MultiService
@@ -41,6 +42,15 @@ from synflow.storage.instances import InstanceMap
 from synflow.storage.prepare import prepare_database, prepare_plugin_schemas, wait_for_schema
 
 logger = logging.getLogger(__name__)
+
+
+def _listeners(parent: MultiService) -> Iterator[ListeningService]:
+    """Every listener under ``parent``: the replication hub's and the app's."""
+    for service in parent:
+        if isinstance(service, ListeningService):
+            yield service
+        elif isinstance(service, MultiService):
+            yield from _listeners(service)
 
 
 class ProcessService(MultiService):
@@ -113,13 +123,12 @@ class ProcessService(MultiService):
         self.app_services.setServiceParent(self)
         # A listener that cannot bind its port fails start-up, naming it: a process must not report
         # itself started while one of its listeners is missing.
-        for service in list(self.app_services):
-            if isinstance(service, ListeningService):
-                try:
-                    await service.when_listening()
-                except CannotListenError as e:
-                    raise SynflowError(f"{service.name}: cannot listen on {service.description}: "
-                                       f"{e.socketError}") from None
+        for service in list(_listeners(self)):
+            try:
+                await service.when_listening()
+            except CannotListenError as e:
+                raise SynflowError(f"{service.name}: cannot listen on {service.description}: "
+                                   f"{e.socketError}") from None
 
     async def setup_app(self) -> None:
         """Add the app type's services to ``self.app_services`` (subclasses)."""
