@@ -203,6 +203,10 @@ def micros(df: DataFrame, c: str) -> Column:
 def convert_to_parquet(spark: SparkSession, src: str, dst: str) -> None:
     """Rewrite a JSONL log directory as Parquet (timestamps as timestamps, ``stream=`` kept).
 
+    Only the columns some record of a table has are written: a column no record has (``seq`` in
+    a token log written without it) stays absent rather than becoming a column of nulls, which
+    the validator would refuse.
+
     Args:
         spark: the session.
         src: a directory with ``writer_logs``, ``token_logs`` and ``instance_map``.
@@ -214,9 +218,12 @@ def convert_to_parquet(spark: SparkSession, src: str, dst: str) -> None:
         path = f"{src}/{name}"
         schema = T.StructType([T.StructField(c, t) for c, t in types.items()])
         df = spark.read.schema(schema).json(path)
-        partitioned = "stream" in spark.read.text(path).columns
+        text = spark.read.text(path)
+        partitioned = "stream" in text.columns
+        present = {r.k for r in text.select(F.explode(F.json_object_keys("value")).alias("k")).distinct().collect()}
+        present |= set(text.columns) - {"value"}
         out = df.select(*[F.timestamp_micros(micros(df, c)).alias(c) if c in TIME_COLUMNS else F.col(c)
-                          for c in df.columns])
+                          for c in df.columns if c in present])
         writer = out.write.mode("overwrite").option("compression", "zstd")
         if partitioned:
             writer = writer.partitionBy("stream")

@@ -1,4 +1,4 @@
-"""The job as a command: ``python -m spark.validate_tokens`` end to end, as a plain script and under spark-submit.
+"""The job as a command: ``python -m spark.validate_tokens``, a plain script, and end to end under spark-submit.
 
 Every test here starts its own Spark, as an operator would; none uses the shared in-process
 session, so the module runs in the suite's main lane.
@@ -26,31 +26,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 class CommandLineTests(TestCase):
     """The module and the script run with their own Spark, as an operator would run them."""
 
-    def test_module_end_to_end_on_clean_logs(self):
-        """`python -m spark.validate_tokens` in a subprocess exits 0 on clean logs, counting pending facts.
-
-        The clean logs have no `seq` column, so each reader's tokens are ordered by `issued_at`;
-        they include idle-writer leaps, aborted gaps, room hand-overs and facts in flight.
-        """
-        require_java()
-        logs, out = os.path.abspath(self.mktemp()), os.path.abspath(self.mktemp())
-        write_jsonl(generate(Config(facts=500, cache_facts=60, readers=3, tokens_per_reader=40,
-                                    with_seq=False, inject=False, seed=5)), logs)
-        env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYTHONPATH=ROOT)
-        proc = subprocess.run(
-            [sys.executable, "-m", "spark.validate_tokens", "--logs", logs, "--out", out,
-             "--master", "local[2]", "--shuffle-partitions", "2", "--driver-memory", "1g"],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-        self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
-        self.assertIn("stage load", proc.stderr)
-        self.assertIn("done: exit 0, 0 violation(s)", proc.stderr)
-        with open(os.path.join(out, "summary.json"), encoding="utf-8") as fh:
-            summary = json.load(fh)
-        self.assertEqual(summary["inputs"]["token_logs"]["seq"], "derived")
-        self.assertGreater(summary["pending"]["in_flight_facts"], 0)
-        self.assertGreater(summary["pending"]["above_reader_watermark"], 0)
-        with open(os.path.join(out, "report.md"), encoding="utf-8") as fh:
-            self.assertIn("PASSED", fh.read())
+    def test_module_runs(self):
+        """`python -m spark.validate_tokens` runs the job's command line (its options, before any Spark starts)."""
+        proc = subprocess.run([sys.executable, "-m", "spark.validate_tokens", "--help"],
+                              cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
+                              timeout=120)
+        self.assertEqual(proc.returncode, 0, proc.stderr)
+        self.assertIn("--fail-on", proc.stdout)
 
     def test_script_imports_itself(self):
         """`spark/validate_tokens.py` run as a plain script (as spark-submit does) finds its package."""
@@ -128,23 +110,13 @@ def _read_out(out: str) -> tuple[dict, set]:
 class SparkSubmitTests(TestCase):
     """The unchanged script under the virtualenv's own `spark-submit`, as on a cluster."""
 
-    def test_clean_logs_exit_zero(self):
-        """spark-submit --master local[1] on clean logs exits 0 and the summary records spark-submit's master."""
-        logs, out = os.path.abspath(self.mktemp()), os.path.abspath(self.mktemp())
-        write_jsonl(generate(Config(facts=200, cache_facts=20, readers=2, tokens_per_reader=20,
-                                    inject=False, seed=4)), logs)
-        proc = _spark_submit(logs, out, os.path.abspath(self.mktemp()))
-        self.assertEqual(proc.returncode, 0, (proc.stdout + proc.stderr)[-3000:])
-        # spark-submit relays the Python driver's stderr (the progress lines) on its stdout.
-        self.assertIn("done: exit 0, 0 violation(s)", proc.stdout + proc.stderr)
-        summary, keys = _read_out(out)
-        self.assertEqual(summary["spark"]["master"], "local[1]")
-        # spark-submit's local master gets the job's local shuffle default, not Spark's 200.
-        self.assertEqual(summary["spark"]["shuffle_partitions"], str(DEFAULT_LOCAL_SHUFFLE_PARTITIONS))
-        self.assertEqual((summary["exit_code"], summary["violations"]["total"], keys), (0, 0, set()))
-
     def test_injected_logs_exit_one(self):
-        """spark-submit on a small corpus with every anomaly injected exits 1, reporting exactly the injections."""
+        """spark-submit --master local[1] on a corpus with every anomaly injected exits 1, reporting exactly the injections.
+
+        The summary records spark-submit's master and the job's local shuffle default. (Exit 0 on
+        clean logs is shown in the shared session by ``test_validate``, and from a process of its
+        own by the main job's test, whose validator starts its own Spark.)
+        """
         logs, out = os.path.abspath(self.mktemp()), os.path.abspath(self.mktemp())
         corpus = generate(Config(facts=200, cache_facts=40, readers=4, tokens_per_reader=25, seed=3))
         write_jsonl(corpus, logs)
@@ -152,6 +124,9 @@ class SparkSubmitTests(TestCase):
         self.assertEqual(proc.returncode, 1, (proc.stdout + proc.stderr)[-3000:])
         summary, keys = _read_out(out)
         self.assertEqual(summary["spark"]["master"], "local[1]")
+        # spark-submit's local master gets the job's local shuffle default, not Spark's 200.
+        self.assertEqual(summary["spark"]["shuffle_partitions"], str(DEFAULT_LOCAL_SHUFFLE_PARTITIONS))
+        self.assertIn("stage load", proc.stdout + proc.stderr)  # the progress lines, relayed by spark-submit
         self.assertEqual(summary["exit_code"], 1)
         self.assertEqual(keys, expected_keys(corpus.injected))
 

@@ -2,8 +2,8 @@
 
 One corpus with every anomaly injected is generated once and validated once per input format:
 JSON Lines (writing JSONL violations) and Parquet (writing Parquet violations with
-``--output-format parquet``); the tests then inspect those two runs. A clean corpus is validated
-as Parquet here; clean JSONL without ``seq`` is validated end to end by ``test_cli``.
+``--output-format parquet``); the tests then inspect those two runs. A clean corpus without
+``seq`` is validated as Parquet here; ``test_cli`` runs the job under spark-submit.
 """
 
 from __future__ import annotations
@@ -187,15 +187,19 @@ class InjectedCorpusTests(TestCase):
 
 
 class CleanParquetTests(TestCase):
-    """Clean logs in Parquet validate clean."""
+    """Clean logs in Parquet, without a ``seq`` column, validate clean."""
 
     def test_clean_parquet_exits_zero(self):
-        """A clean generated corpus converted to Parquet exits 0 with zero violations and counts pending facts."""
+        """A clean generated corpus without ``seq``, converted to Parquet, exits 0 with zero violations and counts pending facts.
+
+        Without ``seq`` each reader's tokens are ordered by ``issued_at``; the corpus includes
+        idle-writer leaps, aborted gaps, room hand-overs and facts in flight.
+        """
         from spark.inputs import convert_to_parquet
 
         base = os.path.join(_ROOT, "clean")
         write_jsonl(generate(Config(facts=600, cache_facts=60, readers=3, tokens_per_reader=40,
-                                    inject=False, seed=9)), os.path.join(base, "jsonl"))
+                                    with_seq=False, inject=False, seed=9)), os.path.join(base, "jsonl"))
         convert_to_parquet(spark(), os.path.join(base, "jsonl"), os.path.join(base, "parquet"))
         out = os.path.join(base, "out")
         code = validate(os.path.join(base, "parquet"), out, "--fail-on", "warning")
@@ -206,4 +210,8 @@ class CleanParquetTests(TestCase):
         self.assertEqual(s["violations"]["total"], 0)
         self.assertEqual({c: r["count"] for c, r in s["checks"].items()}, dict.fromkeys(CHECK_NAMES, 0))
         self.assertEqual(violations(out), [])
+        self.assertEqual(s["inputs"]["token_logs"]["seq"], "derived")
         self.assertGreater(s["pending"]["in_flight_facts"], 0)
+        self.assertGreater(s["pending"]["above_reader_watermark"], 0)
+        with open(os.path.join(out, "report.md"), encoding="utf-8") as fh:
+            self.assertIn("PASSED", fh.read())
