@@ -84,6 +84,8 @@ class SyncHandler:
         self.clock = clock
         self.audit = audit
         self._waiters: set[_Waiter] = set()
+        #: Rows received since the last position: the waiters they concern are woken at the position.
+        self._pending_rows: list[EventsRow] = []
         handler.add_row_handler("events", self._on_rows)
         handler.add_position_listener("events", self._on_position)
         self._position_waiters: list[Deferred[None]] = []
@@ -92,11 +94,10 @@ class SyncHandler:
     # -- notification ----------------------------------------------------------------
 
     def _on_rows(self, instance: str, token: int, rows: list[EventsRow]) -> None:
-        self._pending_rows = getattr(self, "_pending_rows", []) + rows
+        self._pending_rows.extend(rows)
 
     def _on_position(self, instance: str, token: int) -> None:
-        rows: list[EventsRow] = getattr(self, "_pending_rows", [])
-        self._pending_rows = []
+        rows, self._pending_rows = self._pending_rows, []
         if rows:
             rooms = {r.room_id for r in rows}
             members = {r.state_key for r in rows if r.is_membership}
