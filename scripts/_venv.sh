@@ -64,4 +64,4 @@ export PYSPARK_PYTHON
 # Compile the project's own modules ahead of time. Where PYTHONDONTWRITEBYTECODE is set, Python
 # never caches them, and every process (each twistd of a deployment) compiled them all again at
 # start: about a quarter of a process's start-up CPU. Up-to-date files are skipped.
-python -m compileall -q -j 0 synflow spark scripts tests examples twisted >/dev/null 2>&1 || true
+python -m compileall -q synflow spark scripts tests examples twisted >/dev/null 2>&1 || true

@@ -108,18 +108,21 @@ def detect_format(path: str, files: list[str]) -> str:
     return kinds.pop()
 
 
+def _record_keys(text: DataFrame) -> set[str]:
+    """The keys the JSON records of ``text`` (a ``spark.read.text`` frame) have, and its partition columns."""
+    keys = text.select(F.explode(F.json_object_keys("value")).alias("k")).distinct().collect()
+    return {r.k for r in keys} | (set(text.columns) - {"value"})
+
+
 def _json_keys(spark: SparkSession, path: str, name: str, files: list[str]) -> set[str]:
     text = spark.read.option("basePath", path).text(files)
-    partition_cols = set(text.columns) - {"value"}
     if name == "writer_logs":
         kind = F.get_json_object("value", "$.kind")
         text = text.where(kind.isNull() | (kind == "fact"))
     elif name == "token_logs":  # gap records (spark/gaps.py) carry other columns
         kind = F.get_json_object("value", "$.kind")
         text = text.where(kind.isNull() | (kind != "gap"))
-    keys = (text.limit(KEY_SAMPLE).select(F.explode(F.json_object_keys("value")).alias("k"))
-            .distinct().collect())
-    return {r.k for r in keys} | partition_cols
+    return _record_keys(text.limit(KEY_SAMPLE))
 
 
 def read_table(spark: SparkSession, logs: str, name: str) -> Table:
@@ -220,8 +223,7 @@ def convert_to_parquet(spark: SparkSession, src: str, dst: str) -> None:
         df = spark.read.schema(schema).json(path)
         text = spark.read.text(path)
         partitioned = "stream" in text.columns
-        present = {r.k for r in text.select(F.explode(F.json_object_keys("value")).alias("k")).distinct().collect()}
-        present |= set(text.columns) - {"value"}
+        present = _record_keys(text)  # every record's keys, gap records' included
         out = df.select(*[F.timestamp_micros(micros(df, c)).alias(c) if c in TIME_COLUMNS else F.col(c)
                           for c in df.columns if c in present])
         writer = out.write.mode("overwrite").option("compression", "zstd")

@@ -169,10 +169,8 @@ class HealthTest(TestCase):
         self.assertEqual((body["instance"], body["app"]), ("master", "master"))
 
     @inlineCallbacks
-    def test_listener_port_taken_fails_start_up(self) -> None:
-        """A listener whose port is taken fails start-up naming it: the process never reports itself started."""
-        deployment = Deployment(self)
-        port = deployment.ports["master"]
+    def _master_with_port_taken(self, deployment: Deployment, port: int):
+        """Start ``deployment``'s master while another socket listens on ``port``; return it once start-up failed."""
         taken = socket.socket()
         self.addCleanup(taken.close)
         taken.bind(("127.0.0.1", port))
@@ -182,6 +180,14 @@ class HealthTest(TestCase):
         self.addCleanup(master.stopService)
         yield wait_until(lambda: master.failure is not None, 20, "start-up to fail")
         self.assertFalse(master.started)
+        return master
+
+    @inlineCallbacks
+    def test_listener_port_taken_fails_start_up(self) -> None:
+        """A listener whose port is taken fails start-up naming it: the process never reports itself started."""
+        deployment = Deployment(self)
+        port = deployment.ports["master"]
+        master = yield self._master_with_port_taken(deployment, port)
         self.assertIn("cannot listen on", master.failure)
         self.assertIn(str(port), master.failure)
         self.assertIn("Address already in use", master.failure)
@@ -192,15 +198,7 @@ class HealthTest(TestCase):
     def test_hub_port_taken_fails_start_up(self) -> None:
         """The master's replication hub listener is checked too: a taken hub port fails start-up naming it."""
         deployment = Deployment(self)
-        taken = socket.socket()
-        self.addCleanup(taken.close)
-        taken.bind(("127.0.0.1", deployment.hub_port))
-        taken.listen()
-        master = build_service(deployment.config("master", "master"), reactor, exit_on_failure=False)
-        master.startService()
-        self.addCleanup(master.stopService)
-        yield wait_until(lambda: master.failure is not None, 20, "start-up to fail")
-        self.assertFalse(master.started)
+        master = yield self._master_with_port_taken(deployment, deployment.hub_port)
         self.assertIn("replication-hub: cannot listen on", master.failure)
         self.assertIn(str(deployment.hub_port), master.failure)
 
