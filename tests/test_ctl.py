@@ -277,6 +277,12 @@ class StatusStopRestartTest(SynchronousTestCase):
             os.makedirs(os.path.dirname(proc.pid_file), exist_ok=True)
             with open(proc.pid_file, "w") as f:
                 f.write(f"{child.pid}\n")
+            # Popen returns once exec has closed its error pipe, which can be before the kernel has set up the
+            # new image's environment: until then /proc/<pid>/environ reads empty and the mark is not visible.
+            deadline = time.monotonic() + 10
+            while not ctl.is_deployment_process(proc, child.pid) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            self.assertTrue(ctl.is_deployment_process(proc, child.pid), proc.name)
         return children
 
     def test_status_table(self):
