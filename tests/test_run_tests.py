@@ -137,6 +137,19 @@ class LanesTest(SynchronousTestCase):
         self.assertFalse(run_tests.uses_spark_session("tests.spark.test_pure", ROOT))
         self.assertFalse(run_tests.uses_spark_session("tests.test_run_tests", ROOT))
 
+    def test_main_lane_exceptions(self):
+        """The modules kept out of the spark lane use the session (else the exception would be stale) and are not
+        in the spark lane; every other session module is."""
+        modules = run_tests.test_modules(os.path.join(ROOT, "tests"))
+        spark_lane = run_tests.spark_lane_modules(modules, ROOT)
+        self.assertIn("tests.spark.test_cluster", run_tests.MAIN_LANE)
+        for module in run_tests.MAIN_LANE:
+            self.assertIn(module, modules)
+            self.assertTrue(run_tests.uses_spark_session(module, ROOT), module)
+            self.assertNotIn(module, spark_lane)
+        self.assertIn("tests.spark.test_validate", spark_lane)
+        self.assertIn("tests.integration.test_faults", spark_lane)
+
     def test_lanes_add_up(self):
         """The closing line adds the lanes' counts; one failing or summary-less lane fails the whole run."""
         passed, failed = _output("PASSED (successes=40, skips=1)"), _output("FAILED (failures=1, successes=2)")
