@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from typing import Any
@@ -9,9 +10,12 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
+from twisted.web import http
+from twisted.web.resource import Resource
+from twisted.web.test.requesthelper import DummyChannel
 
 from synflow.errors import HttpApiError
-from synflow.http.server import encode_json, parse_json_body
+from synflow.http.server import JsonSite, LimitedRequest, encode_json, parse_json_body
 
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
@@ -51,3 +55,26 @@ class BodyDepthTest(SynchronousTestCase):
                 parse_json_body(raw, max_depth=limit, want_object=False)
         else:
             self.assertEqual(parse_json_body(raw, max_depth=limit, want_object=False), value)
+
+
+class NoFormParsingTest(SynchronousTestCase):
+    def test_post_body_is_not_parsed_as_a_form(self) -> None:
+        """A POST whose Content-Type names a form reaches the handler with its body unread: no form fields in
+        ``args`` and twisted.web's Content-Type parser (the ``email`` package's) never runs."""
+        def parse_content_type(line: bytes) -> bytes:
+            raise AssertionError(f"Content-Type {line!r} parsed")
+
+        self.patch(http, "_parseContentType", parse_content_type)
+        for ctype in (b"application/x-www-form-urlencoded", b"multipart/form-data; boundary=x", b"application/json"):
+            channel = DummyChannel()
+            channel.site = JsonSite(Resource())
+            request = LimitedRequest(channel)
+            processed: list[bool] = []
+            request.process = functools.partial(processed.append, True)  # type: ignore[method-assign]
+            request.requestHeaders.setRawHeaders(b"Content-Type", [ctype])
+            request.gotLength(7)
+            request.handleContentChunk(b"a=b&c=d")
+            request.requestReceived(b"POST", b"/x?q=1", b"HTTP/1.1")
+            self.assertEqual((processed, request.args), ([True], {b"q": [b"1"]}), ctype)
+            assert request.content is not None
+            self.assertEqual(request.content.read(), b"a=b&c=d")
