@@ -43,6 +43,14 @@ _S_RE = re.compile(rf"s{_NUM}\Z")
 _M_RE = re.compile(rf"m{_NUM}((?:~{_NUM}\.{_NUM})*)(~?)\Z")
 _PART_RE = re.compile(rf"~{_NUM}\.{_NUM}")
 
+#: Tokens parsed lately, by their text (a process parses the same few tokens over and over: every
+#: sync chain sends back what the process gave it). Only texts up to :data:`_CACHED_TEXT_LENGTH`
+#: characters are kept, and the whole cache is dropped when it reaches :data:`_CACHED_TOKENS`
+#: entries, so it holds at most about 1 MB whatever a client sends.
+_parsed: dict[str, StreamToken] = {}
+_CACHED_TOKENS: Final = 4096
+_CACHED_TEXT_LENGTH: Final = 256
+
 
 def _canonical(minimum: int, positions: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     return tuple(sorted((i, p) for i, p in positions if p > minimum))
@@ -117,6 +125,18 @@ class StreamToken:
         Raises:
             TokenError: with a message saying what is malformed.
         """
+        cached = _parsed.get(text) if type(text) is str else None
+        if cached is not None:
+            return cached
+        token = cls._parse(text)
+        if len(text) <= _CACHED_TEXT_LENGTH and cls is StreamToken:
+            if len(_parsed) >= _CACHED_TOKENS:
+                _parsed.clear()
+            _parsed[text] = token
+        return token
+
+    @classmethod
+    def _parse(cls, text: str) -> StreamToken:
         if not isinstance(text, str):
             raise TokenError(f"a token must be a string, got {type(text).__name__}")
         if not text:
@@ -179,10 +199,15 @@ class StreamToken:
 
     def is_before_or_eq(self, other: StreamToken) -> bool:
         """Point-wise ``<=``: every writer's position here is at most its position there."""
-        if self.minimum > other.minimum:
+        floor = other.minimum
+        if self.minimum > floor:
             return False
-        ids = {i for i, _ in self.positions} | {i for i, _ in other.positions}
-        return all(self.get(i) <= other.get(i) for i in ids)
+        # A writer listed only there is here at the minimum, at most ``floor`` and so at most its
+        # position there: only the writers listed here need comparing.
+        if not other.positions:
+            return all(p <= floor for _, p in self.positions)
+        theirs = dict(other.positions)
+        return all(p <= theirs.get(i, floor) for i, p in self.positions)
 
     def __le__(self, other: object) -> bool:
         if not isinstance(other, StreamToken):
@@ -196,10 +221,16 @@ class StreamToken:
 
     def merge(self, other: StreamToken) -> StreamToken:
         """The point-wise maximum: the least token at or after both."""
-        minimum = max(self.minimum, other.minimum)
-        ids = {i for i, _ in self.positions} | {i for i, _ in other.positions}
-        merged = ((i, max(self.get(i), other.get(i))) for i in ids)
-        return StreamToken(minimum, _canonical(minimum, merged))
+        if other.is_before_or_eq(self):
+            return self  # the common case: a sync's ``since`` merged into the newer ``now``
+        if self.is_before_or_eq(other):
+            return other
+        mine, theirs = self.minimum, other.minimum
+        minimum = max(mine, theirs)
+        listed = dict(other.positions)
+        merged = {i: max(p, listed.pop(i, theirs)) for i, p in self.positions}
+        merged.update((i, max(p, mine)) for i, p in listed.items())
+        return StreamToken(minimum, _canonical(minimum, merged.items()))
 
     def advance(self, instance_id: int, position: int) -> StreamToken:
         """This token with one writer moved forward to ``position`` (never back)."""

@@ -126,3 +126,25 @@ class AlgebraTest(SynchronousTestCase):
         moved = token.advance(instance_id, pos)
         self.assertEqual(moved.get(instance_id), max(token.get(instance_id), pos))
         self.assertTrue(token <= moved)
+
+
+class ParseCacheTest(SynchronousTestCase):
+    def test_cache_is_bounded_and_keeps_results(self):
+        """Parsed texts are remembered up to a bound (then the cache starts again) and long texts never are;
+        a remembered text parses to the same token, and a malformed text is refused every time."""
+        from synflow import tokens
+
+        self.addCleanup(tokens._parsed.clear)
+        tokens._parsed.clear()
+        for n in range(tokens._CACHED_TOKENS + 10):
+            self.assertEqual(StreamToken.parse(f"m{n}~1.{n + 1}"), StreamToken(n, ((1, n + 1),)))
+            self.assertLessEqual(len(tokens._parsed), tokens._CACHED_TOKENS)
+        self.assertIs(StreamToken.parse("m5~1.6"), StreamToken.parse("m5~1.6"))
+        long = "m1" + "".join(f"~{i}.{10**15 + i}" for i in range(2, 40))
+        self.assertGreater(len(long), tokens._CACHED_TEXT_LENGTH)
+        self.assertEqual(str(StreamToken.parse(long)), long)
+        self.assertNotIn(long, tokens._parsed)
+        for _ in range(2):
+            with self.assertRaises(TokenError):
+                StreamToken.parse("m5~1.5")
+        self.assertNotIn("m5~1.5", tokens._parsed)

@@ -376,7 +376,7 @@ class JsonResource(Resource):
                 except PersistRefused as e:
                     raise http_error(e) from None
                 respond_json(request, code, body)
-                REQUEST_SECONDS.labels(route=route, code=str(code)).observe(time.perf_counter() - started)
+                _request_seconds(route, code).observe(time.perf_counter() - started)
                 return
             if allowed:
                 raise HttpApiError(405, "M_UNRECOGNIZED", f"method {request.method.decode()} not allowed here")
@@ -386,7 +386,7 @@ class JsonResource(Resource):
             if isinstance(retry_ms, int) and e.code in (429, 503):
                 request.setHeader(b"Retry-After", str(max(1, -(-retry_ms // 1000))).encode())
             respond_json(request, e.code, e.to_json())
-            REQUEST_SECONDS.labels(route=route, code=str(e.code)).observe(time.perf_counter() - started)
+            _request_seconds(route, e.code).observe(time.perf_counter() - started)
 
     def body(self, request: Request, *, want_object: bool = True) -> Any:
         """The request's JSON body, strictly parsed (an empty body is ``{}``)."""
@@ -396,6 +396,18 @@ class JsonResource(Resource):
         if not raw.strip():
             return {}
         return parse_json_body(raw, max_depth=self.max_depth, want_object=want_object)
+
+
+#: :data:`REQUEST_SECONDS`'s series by (route, status): ``labels()`` checks and joins its arguments
+#: under a lock on every call. Routes are handler names and statuses the few the handlers answer.
+_REQUEST_SECONDS_SERIES: dict[tuple[str, int], Any] = {}
+
+
+def _request_seconds(route: str, code: int) -> Any:
+    series = _REQUEST_SECONDS_SERIES.get((route, code))
+    if series is None:
+        series = _REQUEST_SECONDS_SERIES[(route, code)] = REQUEST_SECONDS.labels(route=route, code=str(code))
+    return series
 
 
 def _unquote(value: str) -> str:

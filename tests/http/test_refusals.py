@@ -66,3 +66,31 @@ class JsonResourceRefusalTest(SynchronousTestCase):
         response = self.successResultOf(d)
         self.assertEqual(response.code, 404)
         self.assertEqual(self.successResultOf(response.json()), {"errcode": "M_NOT_FOUND", "error": "unknown room !r:hs"})
+
+    def test_each_answer_is_timed_under_its_route_and_status(self) -> None:
+        """Every answer, a handler's or a refusal's, adds one observation to the request-time histogram's series
+        for its route and status."""
+        from prometheus_client import REGISTRY
+
+        resource = JsonResource()
+
+        async def ok(request: Any) -> tuple[int, Any]:
+            return 200, {}
+
+        async def refuse(request: Any) -> tuple[int, Any]:
+            raise NotFound("M_NOT_FOUND", "no such thing")
+
+        resource.route("GET", "/timed_ok", ok)
+        resource.route("GET", "/timed_refused", refuse)
+
+        def count(route: str, code: str) -> float:
+            value = REGISTRY.get_sample_value("synflow_http_request_seconds_count", {"route": route, "code": code})
+            return value or 0.0
+
+        before = (count("ok", "200"), count("refuse", "404"))
+        stub = StubTreq(resource)
+        for path in ("/timed_ok", "/timed_ok", "/timed_refused"):
+            d = stub.get(f"http://hs{path}")
+            stub.flush()
+            self.successResultOf(d)
+        self.assertEqual((count("ok", "200") - before[0], count("refuse", "404") - before[1]), (2.0, 1.0))
