@@ -58,6 +58,18 @@ def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval
         yield sleep(interval)
 
 
+def poll_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
+    """:func:`wait_until` for a test without a running reactor: block, polling ``predicate``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
 @inlineCallbacks
 def single_master(testcase: Any, extra_yaml: str = "", server_name: str = "api.test"):
     """An in-process master on SQLite that persists its own events, with a client

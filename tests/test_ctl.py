@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
@@ -13,7 +14,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -21,7 +21,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from synflow.errors import ConfigError
 from synflow.tools import ctl
-from tests.cluster import free_port
+from tests.cluster import free_port, poll_until
 from tests.test_config import run_from_operator_directory
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
@@ -279,9 +279,8 @@ class StatusStopRestartTest(SynchronousTestCase):
                 f.write(f"{child.pid}\n")
             # Popen returns once exec has closed its error pipe, which can be before the kernel has set up the
             # new image's environment: until then /proc/<pid>/environ reads empty and the mark is not visible.
-            deadline = time.monotonic() + 10
-            while not ctl.is_deployment_process(proc, child.pid) and time.monotonic() < deadline:
-                time.sleep(0.01)
+            poll_until(functools.partial(ctl.is_deployment_process, proc, child.pid), 10,
+                       f"{proc.name}'s mark in its environment", interval=0.01)
             self.assertTrue(ctl.is_deployment_process(proc, child.pid), proc.name)
         return children
 
@@ -343,9 +342,7 @@ class StatusStopRestartTest(SynchronousTestCase):
             time.sleep(120)
             """)])
         self.addCleanup(_reap, parent)
-        deadline = time.monotonic() + 10
-        while ctl.pid_of(proc) is None and time.monotonic() < deadline:
-            time.sleep(0.05)
+        poll_until(lambda: ctl.pid_of(proc) is not None, 10, "the stand-in daemon", interval=0.05)
         self.assertIsNotNone(ctl.pid_of(proc), "the stand-in daemon did not start")
         self.patch(ctl, "STOP_TIMEOUT_S", 5.0)
         out = io.StringIO()

@@ -25,6 +25,7 @@ from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
 
+from tests.cluster import poll_until
 from tests.plugins import write_tutorial_package
 from tests.services import require_java
 
@@ -54,17 +55,6 @@ def _ok(method: str, url: str, body: Any = None, token: str | None = None) -> An
     code, answer = _request(method, url, body, token)
     assert code == 200, (method, url, code, answer)
     return answer
-
-
-def _until(predicate: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.2)
 
 
 class PluginPackagesTest(SynchronousTestCase):
@@ -136,8 +126,8 @@ class PluginPackagesTest(SynchronousTestCase):
             with urllib.request.urlopen("http://127.0.0.1:9101/health", timeout=5) as response:
                 return json.load(response)["positions"]
 
-        _until(lambda: master_positions().get("greetings", {}).get("greeter1", 0) >= stream_id, 30,
-               "the master to see the greeting")
+        poll_until(lambda: master_positions().get("greetings", {}).get("greeter1", 0) >= stream_id, 30,
+                   "the master to see the greeting", interval=0.2)
 
         # The example: receipts while a writer and the consumer are SIGKILLed and restarted.
         acknowledged: list[tuple[str, str]] = []
@@ -196,8 +186,8 @@ class PluginPackagesTest(SynchronousTestCase):
                     self.assertIn(event_id, stored_events)
             self.assertGreaterEqual(len(stored), sum(1 for r, _ in acknowledged if r == room))
             expected = {"room_id": room, "messages": 3, "receipts": len(stored)}
-            _until(lambda room=room, expected=expected: _request("GET", f"{STATS}/rooms/{room}/stats", None, token)
-                   == (200, expected), 60, f"room_stats of {room} to reach {expected}")
+            poll_until(lambda room=room, expected=expected: _request("GET", f"{STATS}/rooms/{room}/stats", None, token)
+                       == (200, expected), 60, f"room_stats of {room} to reach {expected}", interval=0.2)
 
         stopped = self.ctl("stop")
         self.assertEqual(stopped.returncode, 0, stopped.stdout + stopped.stderr)
