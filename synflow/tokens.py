@@ -204,8 +204,6 @@ class StreamToken:
             return False
         # A writer listed only there is here at the minimum, at most ``floor`` and so at most its
         # position there: only the writers listed here need comparing.
-        if not other.positions:
-            return all(p <= floor for _, p in self.positions)
         theirs = dict(other.positions)
         return all(p <= theirs.get(i, floor) for i, p in self.positions)
 
