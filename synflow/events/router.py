@@ -41,6 +41,10 @@ from synflow.sharding import shard_for
 
 #: Events sent in one persist_events call at most.
 MAX_RPC_BATCH = 500
+#: persist_events calls to one persister in flight at once at most; sends made
+#: meanwhile wait and go in the next call, so under load a call carries every
+#: send that arrived while the previous one ran.
+MAX_RPC_IN_FLIGHT = 2
 #: Times one send is re-routed at most (each after the shard map changed or was re-read).
 MAX_REROUTES = 8
 #: The refusals that mean "send it elsewhere", not "it is refused".
@@ -51,13 +55,17 @@ class EventRouter:
     """Sends events to their rooms' persisters and collects the results in order.
 
     Calls to one remote persister made in the same reactor turn share one
-    ``persist_events`` RPC (up to :data:`MAX_RPC_BATCH` events): under load,
-    HTTP costs are paid per batch rather than per event.
+    ``persist_events`` RPC (up to :data:`MAX_RPC_BATCH` events), and at most
+    :data:`MAX_RPC_IN_FLIGHT` such RPCs run at once per persister: sends made
+    while they run go together in the next. Under load, HTTP costs are paid
+    per batch rather than per event; when idle, a send goes at once.
     """
 
     def __init__(self, instance_name: str, event_writers: Sequence[str], persister: EventPersister | None,
                  rpc: RpcClient | None, clock: Any = None, follower: ShardFollower | None = None,
-                 max_wait_s: float = DEFAULT_MAX_WAIT_S) -> None:
+                 max_wait_s: float = DEFAULT_MAX_WAIT_S, max_rpc_in_flight: int = MAX_RPC_IN_FLIGHT) -> None:
+        if max_rpc_in_flight < 1:
+            raise ValueError(f"max_rpc_in_flight must be at least 1, got {max_rpc_in_flight}")
         self.instance_name = instance_name
         self.event_writers = list(event_writers)
         self.persister = persister
@@ -67,6 +75,9 @@ class EventRouter:
         self.max_wait_s = max_wait_s
         self._outbox: dict[str, list[tuple[EventSpec, Deferred[PersistResult]]]] = {}
         self._flush_scheduled: set[str] = set()
+        self.max_rpc_in_flight = max_rpc_in_flight
+        #: persist_events calls running, per persister.
+        self._in_flight: dict[str, int] = {}
         #: Sends re-routed after a persister refused them for a stale map, and sends held during hand-overs.
         self.rerouted = 0
         self.held = 0
@@ -158,7 +169,7 @@ class EventRouter:
     def _queue(self, owner: str, spec: EventSpec) -> Deferred[PersistResult]:
         d: Deferred[PersistResult] = Deferred()
         self._outbox.setdefault(owner, []).append((spec, d))
-        if owner not in self._flush_scheduled:
+        if owner not in self._flush_scheduled and self._in_flight.get(owner, 0) < self.max_rpc_in_flight:
             self._flush_scheduled.add(owner)
             if self.clock is None:
                 self._flush(owner)
@@ -168,12 +179,23 @@ class EventRouter:
 
     def _flush(self, owner: str) -> None:
         self._flush_scheduled.discard(owner)
-        pending = self._outbox.pop(owner, [])
-        for i in range(0, len(pending), MAX_RPC_BATCH):
-            chunk = pending[i: i + MAX_RPC_BATCH]
+        pending = self._outbox.get(owner)
+        while pending and self._in_flight.get(owner, 0) < self.max_rpc_in_flight:
+            chunk, pending[:] = pending[:MAX_RPC_BATCH], pending[MAX_RPC_BATCH:]
+            self._in_flight[owner] = self._in_flight.get(owner, 0) + 1
             Deferred.fromCoroutine(self._call(owner, chunk))
+        if not pending:
+            self._outbox.pop(owner, None)
 
     async def _call(self, owner: str, chunk: list[tuple[EventSpec, Deferred[PersistResult]]]) -> None:
+        try:
+            await self._call_once(owner, chunk)
+        finally:
+            self._in_flight[owner] -= 1
+            if self._outbox.get(owner):
+                self._flush(owner)  # the sends that waited for this call go now
+
+    async def _call_once(self, owner: str, chunk: list[tuple[EventSpec, Deferred[PersistResult]]]) -> None:
         assert self.rpc is not None
         try:
             raw = await self.rpc.call(owner, "persist_events", {"events": [s.to_json() for s, _ in chunk]})

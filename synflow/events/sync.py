@@ -25,6 +25,7 @@ Internal to synflow: not part of the public API (``synflow.api``).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import attrs
 from twisted.internet.defer import Deferred
@@ -56,10 +57,10 @@ class SyncResult:
 
 
 class _Waiter:
-    def __init__(self, user_id: str, rooms: frozenset[str]) -> None:
+    def __init__(self, user_id: str, rooms: frozenset[str], canceller: Callable[[_Waiter], None]) -> None:
         self.user_id = user_id
         self.rooms = rooms
-        self.deferred: Deferred[None] = Deferred()
+        self.deferred: Deferred[None] = Deferred(lambda _: canceller(self))
 
 
 class SyncHandler:
@@ -83,7 +84,9 @@ class SyncHandler:
         self.instances = instances
         self.clock = clock
         self.audit = audit
-        self._waiters: set[_Waiter] = set()
+        #: Long-polling syncs, by each room they cover and by user (a membership change of the user wakes it).
+        self._waiting_on_room: dict[str, set[_Waiter]] = {}
+        self._waiting_user: dict[str, set[_Waiter]] = {}
         #: Rows received since the last position: the waiters they concern are woken at the position.
         self._pending_rows: list[EventsRow] = []
         handler.add_row_handler("events", self._on_rows)
@@ -99,12 +102,19 @@ class SyncHandler:
     def _on_position(self, instance: str, token: int) -> None:
         rows, self._pending_rows = self._pending_rows, []
         if rows:
-            rooms = {r.room_id for r in rows}
-            members = {r.state_key for r in rows if r.is_membership}
-            for waiter in list(self._waiters):
-                if waiter.rooms & rooms or waiter.user_id in members:
-                    self._waiters.discard(waiter)
-                    waiter.deferred.callback(None)
+            # Only the syncs waiting on these rooms or users: the others are not looked at.
+            woken: set[_Waiter] = set()
+            by_room, by_user = self._waiting_on_room, self._waiting_user
+            for row in rows:
+                waiting = by_room.get(row.room_id)
+                if waiting:
+                    woken.update(waiting)
+                if row.is_membership and row.state_key in by_user:
+                    woken.update(by_user[row.state_key])
+            for waiter in woken:
+                self._forget(waiter)
+            for waiter in woken:
+                waiter.deferred.callback(None)
         waiters, self._position_waiters = self._position_waiters, []
         for d in waiters:
             d.callback(None)
@@ -207,12 +217,28 @@ class SyncHandler:
         return cancel_timer_when_done(d, call)
 
     def _wait_for_news(self, user_id: str, rooms: frozenset[str], seconds: float) -> Deferred[None]:
-        waiter = _Waiter(user_id, rooms)
-        self._waiters.add(waiter)
+        waiter = _Waiter(user_id, rooms, self._forget)  # a cancelled sync stops waiting too
+        for room in rooms:
+            self._waiting_on_room.setdefault(room, set()).add(waiter)
+        self._waiting_user.setdefault(user_id, set()).add(waiter)
 
         def expire() -> None:
-            if waiter in self._waiters:
-                self._waiters.discard(waiter)
+            if not waiter.deferred.called:
+                self._forget(waiter)
                 waiter.deferred.callback(None)
 
         return cancel_timer_when_done(waiter.deferred, self.clock.callLater(seconds, expire))
+
+    def _forget(self, waiter: _Waiter) -> None:
+        """Take a waiter out of the indexes (it is woken or expired)."""
+        for key, index in ((waiter.user_id, self._waiting_user), *((r, self._waiting_on_room) for r in waiter.rooms)):
+            waiting = index.get(key)
+            if waiting is not None:
+                waiting.discard(waiter)
+                if not waiting:
+                    del index[key]
+
+    @property
+    def waiting(self) -> int:
+        """Syncs long-polling now."""
+        return sum(len(w) for w in self._waiting_user.values())

@@ -11,6 +11,7 @@ from twisted.trial.unittest import TestCase
 
 from synflow.events.sync import CATCH_UP_TIMEOUT_S, SyncHandler
 from synflow.replication.commands import PositionCommand
+from synflow.streams import EventsRow
 from synflow.tokens import StreamToken
 from tests.cluster import single_master_with_user
 from tests.replication.fakes import positions_view
@@ -81,3 +82,71 @@ class CatchUpTest(TestCase):
         self.patch(store, "get_events_in_window", lambda *a: reads.append(a) or read(*a))
         again = yield ensureDeferred(self.sync.sync(self.alice.user_id, self.alice.user_id, first.next_batch, 0, 10))
         self.assertEqual((again.events, again.next_batch, reads), ([], first.next_batch, []))
+
+
+class _Handler:
+    """The two hooks SyncHandler takes from a replication handler."""
+
+    def __init__(self) -> None:
+        self.rows: Any = None
+        self.position: Any = None
+
+    def add_row_handler(self, stream: str, fn: Any) -> None:
+        self.rows = fn
+
+    def add_position_listener(self, stream: str, fn: Any) -> None:
+        self.position = fn
+
+
+def _row(room: str, n: int, member: str | None = None) -> EventsRow:
+    if member is None:
+        return EventsRow(f"$e{n}:t", room, "m.room.message", None, "@s:t", None)
+    return EventsRow(f"$e{n}:t", room, "m.room.member", member, member, "join")
+
+
+class WakeUpTest(TestCase):
+    """Long-polling syncs are woken by rows of their rooms or their user's membership, and by nothing else."""
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.handler = _Handler()
+        self.sync = SyncHandler(None, self.handler, None, self.clock)  # type: ignore[arg-type]
+
+    def rows(self, *rows: EventsRow) -> None:
+        self.handler.rows("master", 1, list(rows))
+        self.handler.position("master", 1)
+
+    def test_woken_only_by_its_rooms_or_its_user(self) -> None:
+        ab = self.sync._wait_for_news("@a:t", frozenset({"!a:t", "!b:t"}), 30)
+        c = self.sync._wait_for_news("@c:t", frozenset({"!c:t"}), 30)
+        self.assertEqual(self.sync.waiting, 2)
+        self.rows(_row("!z:t", 1))  # nobody's room
+        self.assertNoResult(ab)
+        self.assertNoResult(c)
+        self.rows(_row("!b:t", 2))
+        self.successResultOf(ab)
+        self.assertNoResult(c)
+        self.assertEqual(self.sync.waiting, 1)
+        self.rows(_row("!new:t", 3, member="@c:t"))  # @c:t joined a room it did not wait on
+        self.successResultOf(c)
+        self.assertEqual(self.sync.waiting, 0)
+        self.assertEqual((self.sync._waiting_on_room, self.sync._waiting_user), ({}, {}))
+
+    def test_rows_wake_at_the_position_not_before(self) -> None:
+        d = self.sync._wait_for_news("@a:t", frozenset({"!a:t"}), 30)
+        self.handler.rows("master", 1, [_row("!a:t", 1)])
+        self.assertNoResult(d)
+        self.handler.position("master", 1)
+        self.successResultOf(d)
+
+    def test_expired_and_cancelled_waiters_are_forgotten(self) -> None:
+        expired = self.sync._wait_for_news("@a:t", frozenset({"!a:t"}), 5)
+        cancelled = self.sync._wait_for_news("@b:t", frozenset({"!a:t", "!b:t"}), 30)
+        self.clock.advance(5)
+        self.successResultOf(expired)
+        self.assertEqual(self.sync.waiting, 1)
+        cancelled.cancel()
+        self.failureResultOf(cancelled)
+        self.assertEqual((self.sync._waiting_on_room, self.sync._waiting_user), ({}, {}))
+        self.rows(_row("!a:t", 1))  # nothing left to wake: no error
+        self.assertEqual(self.clock.getDelayedCalls(), [])
