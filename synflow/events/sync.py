@@ -25,6 +25,7 @@ Internal to synflow: not part of the public API (``synflow.api``).
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict, deque
 from collections.abc import Callable
 
 import attrs
@@ -46,6 +47,12 @@ logger = logging.getLogger(__name__)
 #: ``since`` token from a faster process (the same bound as internal RPC's
 #: ``replication.wait_for_position_timeout_s`` default).
 CATCH_UP_TIMEOUT_S = 5.0
+#: The windows ``(since, now]`` read for every room at once that are kept, most recent first.
+SHARED_WINDOWS = 8
+#: The most events such a window may hold; a larger one is read per sync, for the sync's rooms only.
+SHARED_WINDOW_MAX_EVENTS = 256
+#: The recent positions of this process (tokens it gave out as ``next_batch``) whose windows are shared.
+RECENT_HEADS = 8
 
 
 @attrs.frozen
@@ -93,6 +100,10 @@ class SyncHandler:
         handler.add_position_listener("events", self._on_position)
         self._position_waiters: list[Deferred[None]] = []
         self._current: tuple[StreamToken, dict[str, int]] | None = None
+        #: This process's recent positions: long-poll chains come back with them as ``since``.
+        self._heads: deque[StreamToken] = deque(maxlen=RECENT_HEADS)
+        #: Every room's events in recent windows between two of those positions, by (since, now).
+        self._windows: OrderedDict[tuple[StreamToken, StreamToken], list[SyncEvent]] = OrderedDict()
 
     # -- notification ----------------------------------------------------------------
 
@@ -130,6 +141,7 @@ class SyncHandler:
         ids = await self.instances.ids_for(sorted(positions))
         current = StreamToken.from_positions({ids[n]: p for n, p in positions.items()}), positions
         self._current = current
+        self._heads.append(current[0])
         return current
 
     async def parse_token(self, text: str) -> StreamToken:
@@ -186,10 +198,7 @@ class SyncHandler:
             # Nothing written since the token (the next request of a long-poll chain, mostly): the window
             # is empty for every writer, so there is nothing to read.
             return SyncResult(str(since), [], False, rooms)
-        upto = now_by_name
-        events = await self.store.get_events_in_window(
-            sorted(rooms), self._by_name(since), since.minimum, upto, now.minimum, limit + 1
-        )
+        events = await self._read_window(rooms, since, now, now_by_name, limit + 1)
         limited = len(events) > limit
         if limited:
             # Cover exactly the events returned: every writer up to the last
@@ -199,6 +208,33 @@ class SyncHandler:
         else:
             next_token = now.merge(since)
         return SyncResult(str(next_token), events, limited, rooms)
+
+    async def _read_window(self, rooms: frozenset[str], since: StreamToken, now: StreamToken,
+                           now_by_name: dict[str, int], limit: int) -> list[SyncEvent]:
+        """The events of ``rooms`` in ``(since, now]``, oldest first, at most ``limit``.
+
+        The syncs a new position wakes mostly share one window: each comes
+        back from the position before (a ``next_batch`` of this process). Such
+        a window, when small, is read once for every room and kept; each sync
+        takes its rooms' events from it. Any other window is read for the
+        sync's rooms alone.
+        """
+        key = (since, now)
+        window = self._windows.get(key)
+        if window is None and since in self._heads:
+            every_room = await self.store.get_events_in_window(
+                None, self._by_name(since), since.minimum, now_by_name, now.minimum, SHARED_WINDOW_MAX_EVENTS + 1
+            )
+            if len(every_room) <= SHARED_WINDOW_MAX_EVENTS:  # the whole window: keep it
+                window = self._windows[key] = every_room
+                while len(self._windows) > SHARED_WINDOWS:
+                    self._windows.popitem(last=False)
+        if window is not None:
+            events = [e for e in window if e.room_id in rooms]
+            return events[:limit]
+        return await self.store.get_events_in_window(
+            sorted(rooms), self._by_name(since), since.minimum, now_by_name, now.minimum, limit
+        )
 
     async def _wait_until_reached(self, token: StreamToken, deadline: float) -> None:
         while True:

@@ -176,27 +176,28 @@ class DataStore:
 
     def get_events_in_window(
         self,
-        rooms: Sequence[str],
+        rooms: Sequence[str] | None,
         since: Mapping[str, int],
         since_default: int,
         upto: Mapping[str, int],
         upto_default: int,
         limit: int,
     ) -> Deferred[list[SyncEvent]]:
-        """Events of ``rooms`` after ``since`` and up to ``upto``, oldest first.
+        """Events of ``rooms`` (of every room if None) after ``since`` and up to ``upto``, oldest first.
 
         ``since``/``upto`` map writer names to positions; a writer missing
         from them is at the ``*_default`` (the token minimum).
         """
         return self.db.run_interaction(
-            "get_events_in_window", self._window_txn, list(rooms), dict(since), since_default, dict(upto),
+            "get_events_in_window", self._window_txn, None if rooms is None else list(rooms), dict(since),
+            since_default, dict(upto),
             upto_default, limit, read_only=True, idempotent=True,
         )
 
     @staticmethod
-    def _window_txn(txn: Txn, rooms: list[str], since: dict[str, int], since_default: int,
+    def _window_txn(txn: Txn, rooms: list[str] | None, since: dict[str, int], since_default: int,
                     upto: dict[str, int], upto_default: int, limit: int) -> list[SyncEvent]:
-        if not rooms:
+        if rooms is not None and not rooms:
             return []
         writers = sorted(set(since) | set(upto))
         clauses = []
@@ -212,12 +213,12 @@ class DataStore:
             args += [*writers, since_default, upto_default]
         if not clauses:
             return []
-        room_marks = ", ".join("?" for _ in rooms)
+        in_rooms = "" if rooms is None else f"room_id IN ({', '.join('?' for _ in rooms)}) AND "
         txn.execute(
             "SELECT stream_ordering, instance_name, event_id, room_id, type, state_key, sender, content, "
-            f"origin_server_ts FROM events WHERE room_id IN ({room_marks}) AND ({' OR '.join(clauses)}) "
+            f"origin_server_ts FROM events WHERE {in_rooms}({' OR '.join(clauses)}) "
             "ORDER BY stream_ordering LIMIT ?",
-            (*rooms, *args, limit),
+            (*(rooms or ()), *args, limit),
         )
         return [
             SyncEvent(int(r[0]), r[1], r[2], r[3], r[4], r[5], r[6], json.loads(r[7]), int(r[8]))

@@ -150,3 +150,84 @@ class WakeUpTest(TestCase):
         self.assertEqual((self.sync._waiting_on_room, self.sync._waiting_user), ({}, {}))
         self.rows(_row("!a:t", 1))  # nothing left to wake: no error
         self.assertEqual(self.clock.getDelayedCalls(), [])
+
+
+class SharedWindowTest(TestCase):
+    """Syncs woken by one position read the window once, for every room, and each gets its own rooms' events."""
+
+    timeout = 30
+
+    @inlineCallbacks
+    def setUp(self):
+        self.master, self.alice = yield single_master_with_user(self)
+        self.bob = yield ensureDeferred(self.alice.__class__(self.alice.base_url, self.alice.pool).register("bob"))
+        self.carol = yield ensureDeferred(self.alice.__class__(self.alice.base_url, self.alice.pool).register("carol"))
+        self.shared = yield ensureDeferred(self.alice.create_room("public_chat"))
+        yield ensureDeferred(self.bob.join(self.shared))
+        self.carols = yield ensureDeferred(self.carol.create_room())  # a room only carol is in
+        self.store = self.master.worker.store
+        self.reads: list[Any] = []
+        read = self.store.get_events_in_window
+        self.patch(self.store, "get_events_in_window", lambda rooms, *a: self.reads.append(rooms) or read(rooms, *a))
+
+    @inlineCallbacks
+    def heads(self):
+        """Each user's token at the head (a timeout=0 sync, then one more that returns nothing)."""
+        tokens = []
+        for user in (self.alice, self.bob, self.carol):
+            first = yield ensureDeferred(user.sync())
+            tokens.append(first["next_batch"])
+        return tokens
+
+    @inlineCallbacks
+    def test_woken_syncs_share_one_read(self):
+        """Three long-polls from the head, woken by one send, make one read of every room and get their rooms' events."""
+        tokens = yield self.heads()
+        self.assertEqual(len(set(tokens)), 1)  # all at this process's position
+        polls = [ensureDeferred(user.sync(token, timeout_ms=10_000))
+                 for user, token in zip((self.alice, self.bob, self.carol), tokens, strict=True)]
+        yield _real(0.2)
+        del self.reads[:]
+        sent = yield ensureDeferred(self.alice.send(self.shared, {"body": "hi"}, "t1"))
+        alice = yield polls[0]
+        bob = yield polls[1]
+        self.assertEqual([e["event_id"] for e in alice["events"]], [sent["event_id"]])
+        self.assertEqual([e["event_id"] for e in bob["events"]], [sent["event_id"]])
+        self.assertEqual(alice["next_batch"], bob["next_batch"])
+        self.assertEqual(self.reads, [None])  # one read, of every room, for both
+        self.assertFalse(polls[2].called)  # carol is in neither room: still waiting
+        mine = yield ensureDeferred(self.carol.send(self.carols, {"body": "mine"}, "t2"))
+        carol = yield polls[2]
+        self.assertEqual([e["event_id"] for e in carol["events"]], [mine["event_id"]])
+
+    @inlineCallbacks
+    def test_other_windows_are_read_per_sync(self):
+        """A sync from the beginning (no since) reads its own rooms only: its window is not shared."""
+        yield ensureDeferred(self.alice.send(self.shared, {"body": "hi"}, "t1"))
+        del self.reads[:]
+        result = yield ensureDeferred(self.bob.sync())
+        self.assertIn("hi", [e["content"].get("body") for e in result["events"]])
+        self.assertEqual(len(self.reads), 1)
+        self.assertEqual(self.reads[0], sorted([self.shared]))
+
+    @inlineCallbacks
+    def test_large_window_read_per_sync_and_limited(self):
+        """A shared window over the size bound is read per sync, and a limit cuts the shared one too."""
+        from synflow.events import sync as sync_module
+
+        tokens = yield self.heads()
+        for n in range(4):
+            yield ensureDeferred(self.alice.send(self.shared, {"body": str(n)}, f"n{n}"))
+        self.patch(sync_module, "SHARED_WINDOW_MAX_EVENTS", 2)
+        del self.reads[:]
+        limited = yield ensureDeferred(self.bob.sync(tokens[1], limit=3))
+        self.assertEqual([e["content"]["body"] for e in limited["events"]], ["0", "1", "2"])
+        self.assertTrue(limited["limited"])
+        self.assertEqual(self.reads, [None, [self.shared]])  # tried whole, too large: per sync
+        self.patch(sync_module, "SHARED_WINDOW_MAX_EVENTS", 256)
+        del self.reads[:]
+        whole = yield ensureDeferred(self.alice.sync(tokens[0], limit=3))
+        rest = yield ensureDeferred(self.alice.sync(whole["next_batch"], limit=3))
+        self.assertEqual([e["content"]["body"] for e in whole["events"] + rest["events"]], ["0", "1", "2", "3"])
+        self.assertTrue(whole["limited"])
+        self.assertEqual(self.reads[0], None)
