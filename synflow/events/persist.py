@@ -30,6 +30,7 @@ import json
 import logging
 import time
 from collections.abc import Sequence
+from types import MappingProxyType
 from typing import Any
 
 import attrs
@@ -180,15 +181,40 @@ def _load_rooms_txn(txn: Any, room_ids: set[str]) -> dict[str, _RoomState]:
     for room_id, event_type, content in txn.fetchall():
         view = rooms[room_id].view
         # State stored before the rules existed may not parse: it then counts as absent.
+        value = _parsed_rule(event_type, content)
+        if isinstance(value, JoinRule):
+            view.join_rule = value
+        elif isinstance(value, PowerLevels):
+            view.power_levels = value
+        else:
+            logger.warning("ignoring unparsable %s of room %s: %s", event_type, room_id, value)
+    return rooms
+
+
+#: Parsed join rules and power levels by (type, content text): every batch loads its rooms' rules, which
+#: rarely change. The values are immutable; bounded, cleared when full.
+_RULES_PARSED: dict[tuple[str, str], JoinRule | PowerLevels | Exception] = {}
+_RULES_PARSED_MAX = 4096
+
+
+def _parsed_rule(event_type: str, content: str) -> JoinRule | PowerLevels | Exception:
+    """The rule a join rules or power levels content holds, or the error that makes it unparsable."""
+    key = (event_type, content)
+    value = _RULES_PARSED.get(key)
+    if value is None:
         try:
             parsed = json.loads(content)
             if event_type == auth.JOIN_RULES:
-                view.join_rule = JoinRule(parsed["join_rule"])
+                value = JoinRule(parsed["join_rule"])
             else:
-                view.power_levels = PowerLevels.from_content(parsed)
+                value = PowerLevels.from_content(parsed)
+                value = attrs.evolve(value, users=MappingProxyType(dict(value.users)))  # shared: read-only
         except (ValueError, KeyError, TypeError, PersistRefused) as e:
-            logger.warning("ignoring unparsable %s of room %s: %s", event_type, room_id, e)
-    return rooms
+            value = e
+        if len(_RULES_PARSED) >= _RULES_PARSED_MAX:
+            _RULES_PARSED.clear()
+        _RULES_PARSED[key] = value
+    return value
 
 
 def _existing_txn(txn: Any, specs: Sequence[EventSpec]) -> dict[tuple[str, str], tuple[str, int, str]]:

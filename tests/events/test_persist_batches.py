@@ -151,3 +151,35 @@ class EventSpecJsonTest(SynchronousTestCase):
                          "hs", 5, "t1", "$e")
         self.assertEqual(spec.to_json(), attrs.asdict(spec))
         self.assertEqual(EventSpec.from_json(spec.to_json()), spec)
+
+
+class ParsedRulesTest(SynchronousTestCase):
+    """The join rules and power levels a batch loads are parsed once per content, read-only and bounded."""
+
+    def test_same_content_parsed_once(self) -> None:
+        from types import MappingProxyType
+
+        from synflow.events import persist as persist_module
+        from synflow.events.auth import JoinRule, PowerLevels
+
+        text = '{"users":{"@a:hs":100},"kick":75}'
+        first = persist_module._parsed_rule("m.room.power_levels", text)
+        assert isinstance(first, PowerLevels)
+        self.assertIs(persist_module._parsed_rule("m.room.power_levels", text), first)
+        self.assertEqual((first.level_of("@a:hs"), first.kick), (100, 75))
+        self.assertIsInstance(first.users, MappingProxyType)  # shared between batches: nobody may change it
+        with self.assertRaises(TypeError):
+            first.users["@b:hs"] = 100  # type: ignore[index]
+        changed = persist_module._parsed_rule("m.room.power_levels", '{"users":{"@a:hs":100},"kick":50}')
+        self.assertEqual(changed.kick, 50)  # type: ignore[union-attr]
+        self.assertIs(persist_module._parsed_rule("m.room.join_rules", '{"join_rule":"public"}'), JoinRule.PUBLIC)
+        self.assertIsInstance(persist_module._parsed_rule("m.room.power_levels", '{"kick":"high"}'), Exception)
+
+    def test_bounded(self) -> None:
+        from synflow.events import persist as persist_module
+
+        self.patch(persist_module, "_RULES_PARSED_MAX", 3)
+        self.patch(persist_module, "_RULES_PARSED", {})
+        for n in range(10):
+            persist_module._parsed_rule("m.room.power_levels", f'{{"kick":{n}}}')
+            self.assertLessEqual(len(persist_module._RULES_PARSED), 3)
