@@ -228,18 +228,17 @@ def _existing_txn(txn: Any, specs: Sequence[EventSpec]) -> dict[tuple[str, str],
         )
         for event_id, so, inst in txn.fetchall():
             found[("event", event_id)] = (event_id, int(so), inst)
-    by_sender: dict[str, set[str]] = {}
-    for s in specs:
-        if s.txn_id is not None and s.event_id is None:
-            by_sender.setdefault(s.sender, set()).add(s.txn_id)
-    for sender, txn_ids in by_sender.items():
-        ordered = sorted(txn_ids)
+    pairs = sorted({(s.sender, s.txn_id) for s in specs if s.txn_id is not None and s.event_id is None})
+    if pairs:
+        # Every (sender, txn_id) of the batch in one statement (a join on the primary key, on both engines),
+        # rather than one per sender.
         txn.execute(
-            "SELECT txn_id, event_id, stream_ordering, instance_name FROM event_txn_ids "
-            f"WHERE user_id = ? AND txn_id IN ({_marks(len(ordered))})",
-            (sender, *ordered),
+            "SELECT t.user_id, t.txn_id, t.event_id, t.stream_ordering, t.instance_name "
+            f"FROM (VALUES {', '.join('(?, ?)' for _ in pairs)}) v "
+            "JOIN event_txn_ids t ON t.user_id = v.column1 AND t.txn_id = v.column2",
+            [value for pair in pairs for value in pair],
         )
-        for txn_id, event_id, so, inst in txn.fetchall():
+        for sender, txn_id, event_id, so, inst in txn.fetchall():
             found[("txn", f"{sender}\n{txn_id}")] = (event_id, int(so), inst)
     return found
 

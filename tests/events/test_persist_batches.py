@@ -104,6 +104,27 @@ class PersistBatchMixin:
         (after,) = await persister.persist([message(rooms[0], "after")])
         self.assertIsNone(after.error)
 
+    async def test_retried_txn_ids_of_several_senders(self) -> None:
+        """Sends retried with their (sender, txn_id) in a later batch get their first events back; new pairs persist."""
+        db, persister = await self._persister()
+        room = f"!pub:{HS}"
+        await persister.persist(create(room) + [EventSpec(room, "m.room.join_rules", ALICE, {"join_rule": "public"},
+                                                          "", HS, 1)])
+        bob, carol = f"@bob:{HS}", f"@carol:{HS}"
+        await persister.persist([EventSpec(room, "m.room.member", u, {"membership": "join"}, u, HS, 1)
+                                 for u in (bob, carol)])
+        first = await persister.persist([message(room, "a1", txn_id="t1"), message(room, "b1", sender=bob, txn_id="t1"),
+                                         message(room, "a2", txn_id="t2")])
+        again = await persister.persist([message(room, "b1", sender=bob, txn_id="t1"), message(room, "a1", txn_id="t1"),
+                                         message(room, "c1", sender=carol, txn_id="t1"),
+                                         message(room, "b2", sender=bob, txn_id="t2")])
+        self.assertEqual([r.error for r in first + again], [None] * 7)
+        self.assertEqual([(r.event_id, r.duplicate) for r in again[:2]],
+                         [(first[1].event_id, True), (first[0].event_id, True)])
+        self.assertEqual([r.duplicate for r in again[2:]], [False, False])
+        self.assertFalse({r.event_id for r in again[2:]} & {r.event_id for r in first})
+        self.assertEqual(await self._bodies(db), [f'{{"body":"{b}"}}' for b in ("a1", "b1", "a2", "c1", "b2")])
+
     async def test_unparsable_stored_state_counts_as_absent(self) -> None:
         """A join rule or power levels stored before the rules (not parsable now) is ignored, not a failure of every later batch."""
         db, persister = await self._persister()
