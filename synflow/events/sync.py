@@ -219,6 +219,8 @@ class SyncHandler:
         takes its rooms' events from it. Any other window is read for the
         sync's rooms alone.
         """
+        if not rooms:
+            return []
         key = (since, now)
         window = self._windows.get(key)
         if window is None and since in self._heads:
