@@ -10,10 +10,12 @@ Internal to synflow: not part of the public API (``synflow.api``).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import random
 import re
 import socket
+import tempfile
 
 import yaml
 
@@ -38,6 +40,37 @@ _HANDED_OUT: set[int] = set()
 #: one in between, and did, once, under the whole test suite).
 FREE_PORT_RANGE = (20000, 32000)
 _random = random.SystemRandom()
+#: Where :func:`free_port` marks the ports it hands out for every process of the machine (a lock
+#: file per port, ``flock``-ed while the process that handed it out lives): two processes probing at
+#: once would otherwise both find a port free and both hand it out, and the second deployment would
+#: talk to the first one's process on it.
+PORT_LOCKS_DIR = os.path.join(tempfile.gettempdir(), "synflow-ports")
+#: The newest reservations a process keeps (older ones are released: their ports are bound by now).
+_MAX_RESERVATIONS = 512
+_reservations: dict[int, int] = {}  # port -> the fd holding its lock, oldest first
+
+
+def _reserve(port: int) -> bool:
+    """Mark ``port`` handed out for the machine; False if another live process has it marked.
+
+    Where the lock files cannot be made (another user's directory, a read-only temp dir) every port
+    counts as unmarked, as before there were marks.
+    """
+    try:
+        os.makedirs(PORT_LOCKS_DIR, exist_ok=True)
+        fd = os.open(os.path.join(PORT_LOCKS_DIR, str(port)), os.O_CREAT | os.O_RDWR, 0o600)
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return False
+    _reservations[port] = fd
+    while len(_reservations) > _MAX_RESERVATIONS:
+        oldest = next(iter(_reservations))
+        os.close(_reservations.pop(oldest))
+    return True
 
 
 def _ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int | None:
@@ -67,6 +100,8 @@ def free_port() -> int:
             except OSError:
                 continue
         _HANDED_OUT.add(port)
+        if not _reserve(port):
+            continue  # another process handed it out and has not bound it yet
         return port
     while True:
         with socket.socket() as s:
@@ -74,7 +109,8 @@ def free_port() -> int:
             port = s.getsockname()[1]
         if port not in _HANDED_OUT:
             _HANDED_OUT.add(port)
-            return port
+            if _reserve(port):
+                return port
 
 
 def make_deployment(target: str, server_name: str, port_map: dict[int, int], *, peer: str | None = None,
