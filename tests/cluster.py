@@ -45,9 +45,9 @@ def sleep(seconds: float):
     return deferLater(reactor, seconds, lambda: None)
 
 
-@inlineCallbacks
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.1):
-    """Poll ``predicate`` on the reactor until it is truthy; fail after ``timeout``."""
+def _polling(predicate: Callable[[], Any], timeout: float, what: str, pause: Callable[[], Any]) -> Any:
+    """Call ``predicate`` until it is truthy (its value is the generator's return), yielding ``pause()``
+    between calls; fail after ``timeout``. :func:`wait_until` and :func:`poll_until` drive it."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
@@ -55,19 +55,23 @@ def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval
             return value
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        yield sleep(interval)
+        yield pause()
+
+
+@inlineCallbacks
+def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.1):
+    """Poll ``predicate`` on the reactor until it is truthy; fail after ``timeout``."""
+    return (yield from _polling(predicate, timeout, what, lambda: sleep(interval)))
 
 
 def poll_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
     """:func:`wait_until` for a test without a running reactor: block, polling ``predicate``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
+    polling = _polling(predicate, timeout, what, lambda: time.sleep(interval))
+    try:
+        while True:
+            next(polling)
+    except StopIteration as done:
+        return done.value
 
 
 @inlineCallbacks

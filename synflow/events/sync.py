@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 #: ``since`` token from a faster process (the same bound as internal RPC's
 #: ``replication.wait_for_position_timeout_s`` default).
 CATCH_UP_TIMEOUT_S = 5.0
-#: The windows ``(since, now]`` read for every room at once that are kept, most recent first.
+#: How many windows ``(since, now]`` read for every room at once are kept (the oldest goes first).
 SHARED_WINDOWS = 8
 #: The most events such a window may hold; a larger one is read per sync, for the sync's rooms only.
 SHARED_WINDOW_MAX_EVENTS = 256
