@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from twisted.application.service import MultiService
 from twisted.logger import Logger, LogLevel
 
 from synflow.app.apps import SynflowProcess
@@ -64,6 +63,6 @@ def setup_logging(config: SynflowConfig) -> None:
     logging.logMultiprocessing = False
 
 
-def build_service(config: SynflowConfig, reactor: Any, *, exit_on_failure: bool = True) -> MultiService:
+def build_service(config: SynflowConfig, reactor: Any, *, exit_on_failure: bool = True) -> SynflowProcess:
     """The process's root service for its ``app``."""
     return SynflowProcess(config, reactor, exit_on_failure=exit_on_failure)

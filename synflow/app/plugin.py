@@ -12,6 +12,8 @@ Internal to synflow: not part of the public API (``synflow.api``).
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from twisted.application.service import IService
 from twisted.python import usage
@@ -58,11 +60,17 @@ class Options(usage.Options):
             raise usage.UsageError("at least one --config FILE is required")
 
 
+def _after(result: Any, action: Callable[[], object]) -> Any:
+    action()
+    return result
+
+
 def makeService(options: Options) -> IService:
     """Build the service tree of the configured process (twistd calls this)."""
     from twisted.internet import reactor
 
     from synflow.app.build import build_service, setup_logging
+    from synflow.app.heap import freeze_startup_heap, watch_collections
     from synflow.app.logs import make_observer, with_log_observer
     from synflow.config import load_config
 
@@ -77,7 +85,10 @@ def makeService(options: Options) -> IService:
         setup_logging(config)
         twistd = getattr(options, "parent", None) or {}
         observer = make_observer(config, twistd.get("logfile"), bool(twistd.get("nodaemon")))
-        return with_log_observer(build_service(config, reactor), observer)
+        watch_collections()
+        service = build_service(config, reactor)
+        service.ready.addCallback(_after, freeze_startup_heap)  # the start-up heap: frozen once started
+        return with_log_observer(service, observer)
     except ConfigError as e:
         # twistd would print a traceback; an operator needs one clear line.
         sys.stderr.write(f"synflow: configuration error: {e}\n")
