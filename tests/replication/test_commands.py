@@ -337,6 +337,34 @@ class MalformedTest(SynchronousTestCase):
         with self.assertRaises(LocalProtocolError):
             UserSyncCommand("a", "@u:hs", "None", SyncState.START, 1)
 
+    def test_unsendable_commands_refused_by_the_bytes_encoder(self):
+        """encode_line_bytes refuses what cannot go on the wire, with the reason, for each command shape."""
+        too_long = ["x" * (MAX_LINE_LENGTH // 2), "y" * (MAX_LINE_LENGTH // 2)]
+        cases = [
+            (PingCommand("\ud800"), "PING line is not encodable as UTF-8"),
+            (ServerCommand("hs\udfff"), "SERVER line is not encodable as UTF-8"),
+            (PingCommand("x" * MAX_LINE_LENGTH), "longer than the limit"),
+            (PositionCommand("events\ud800", "w1", 1, 2), "POSITION line is not encodable as UTF-8"),
+            (PositionCommand("events", "w" * MAX_LINE_LENGTH, 1, 2), "longer than the limit"),
+            (RdataCommand("events", "w1\ud800", 1, [1]), "RDATA line is not encodable as UTF-8"),
+            (RdataCommand("events", "w1", None, [float("inf")]), "not encodable as JSON"),
+            (RdataCommand("events", "w1", 1, [object()]), "not encodable as JSON"),
+            (RdataCommand("events", "w1", 1, too_long), "longer than the limit"),
+        ]
+        for cmd, fragment in cases:
+            with self.assertRaises(LocalProtocolError, msg=repr(cmd)[:80]) as cm:
+                encode_line_bytes(cmd)
+            self.assertIn(fragment, str(cm.exception), repr(cmd)[:80])
+            self.assertIsNone(getattr(cmd, "wire", None))  # nothing half-encoded is kept for a relay
+
+    def test_rows_the_fast_scan_does_not_settle(self):
+        """Rows with surrounding whitespace parse as the JSON decoder reads them; other values are refused."""
+        self.assertEqual(parse_line('RDATA events w1 1  [1, "a"] ').row, [1, "a"])
+        for row_json, fragment in (("null", "JSON array"), ("[1] x", "bad JSON"), ("", "bad JSON")):
+            with self.assertRaises(RemoteProtocolError, msg=row_json) as cm:
+                parse_line(f"RDATA events w1 1 {row_json}")
+            self.assertIn(fragment, str(cm.exception), row_json)
+
     @settings(max_examples=2000)
     @given(st.binary(max_size=200))
     def test_random_bytes_raise_only_protocol_errors(self, data):
