@@ -338,8 +338,7 @@ class MultiWriterIdGenerator:
         """
         completed_at = now_us(self.clock)
         visible = self.tracker.end_fetch(handle, list(ids))
-        for stream_id in ids:
-            visible += self.tracker.complete(stream_id, ok, payloads.get(stream_id) if ok else None)
+        visible += self.tracker.complete_many(ids, ok, payloads if ok else None)
         if ok:
             self.facts_completed += len(ids)
         else:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Mapping, Sequence
 from typing import Generic, TypeVar
 
 import attrs
@@ -136,6 +137,30 @@ class PositionTracker(Generic[P]):
         self._unfinished.discard(stream_id)
         self._finished[stream_id] = Completed(stream_id, ok, payload)
         heapq.heappush(self._finished_heap, stream_id)
+        return self._release()
+
+    def complete_many(self, stream_ids: Sequence[int], ok: bool = True,
+                      payloads: Mapping[int, P] | None = None) -> list[Completed[P]]:
+        """Mark several reserved IDs completed alike (one transaction's): :meth:`complete` of each, at once.
+
+        Returns the same facts, in the same order, as completing them one by
+        one would, but works out the position once rather than once per ID.
+        Nothing is marked if any of the IDs is not reserved (or repeats).
+
+        Raises:
+            TrackerError: an ID is not reserved, or appears twice.
+        """
+        unfinished = self._unfinished
+        if len(set(stream_ids)) != len(stream_ids) or not unfinished.issuperset(stream_ids):
+            for i, stream_id in enumerate(stream_ids):
+                if stream_id not in unfinished or stream_id in stream_ids[:i]:
+                    raise TrackerError(f"stream ID {stream_id} completed but not reserved (or completed twice)")
+        finished, heap = self._finished, self._finished_heap
+        get = payloads.get if payloads is not None else None
+        for stream_id in stream_ids:
+            unfinished.discard(stream_id)
+            finished[stream_id] = Completed(stream_id, ok, get(stream_id) if get is not None else None)
+            heapq.heappush(heap, stream_id)
         return self._release()
 
     def _release(self) -> list[Completed[P]]:

@@ -125,3 +125,39 @@ class TrackerPropertyTest(SynchronousTestCase):
             self.assertEqual(announced, sorted(c for c in completed if c <= expected))
         self.assertEqual(announced, sorted(reserved))
         self.assertTrue(t.idle)
+
+    @given(histories(), st.data())
+    def test_completing_several_at_once_is_completing_each(self, ops, data):
+        """complete_many of a run of completions returns and leaves exactly what completing each in turn does."""
+        one: PositionTracker[int] = PositionTracker(1)
+        many: PositionTracker[int] = PositionTracker(1)
+        i = 0
+        while i < len(ops):
+            op = ops[i]
+            if op[0] == "reserve":
+                one.reserve(op[1])
+                many.reserve(op[1])
+                i += 1
+                continue
+            end = i  # the completions that follow with the same outcome; some of them go at once
+            while end < len(ops) and ops[end][0] == "complete" and ops[end][2] == op[2]:
+                end += 1
+            size = data.draw(st.integers(min_value=1, max_value=end - i))
+            run = [o[1] for o in ops[i:i + size]]
+            i += size
+            expected = [c for sid in run for c in one.complete(sid, op[2], sid * 10)]
+            got = many.complete_many(run, op[2], {sid: sid * 10 for sid in run})
+            self.assertEqual(got, expected)
+            self.assertEqual((many.position, many.idle, many.in_flight), (one.position, one.idle, one.in_flight))
+        self.assertEqual(many.position, one.position)
+
+    def test_completing_several_refuses_all_if_one_is_not_reserved(self):
+        """An unreserved or repeated ID in complete_many raises and marks none of the others."""
+        t: PositionTracker[str] = PositionTracker(5)
+        t.reserve([6, 7, 8])
+        for bad in ([6, 9], [6, 6], [7, 8, 5]):
+            with self.assertRaises(TrackerError):
+                t.complete_many(bad)
+            self.assertEqual(t.in_flight, 3)
+        self.assertEqual([c.stream_id for c in t.complete_many([8, 6, 7], True, {6: "a"})], [6, 7, 8])
+        self.assertEqual(t.position, 8)
