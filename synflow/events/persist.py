@@ -58,8 +58,10 @@ EVENTS_PERSISTED = counter("synflow_events_persisted_total", "Events persisted b
 
 #: Events persisted per transaction at most.
 MAX_BATCH = 256
-#: Persist transactions running at once in one persister.
-MAX_IN_FLIGHT = 4
+#: Persist transactions running at once in one persister. Events that arrive while both run go
+#: together in the next: on PostgreSQL, 2 rather than 4 took a third off the database's CPU per event
+#: under load (fewer, larger transactions), and at low load a batch still starts at once.
+MAX_IN_FLIGHT = 2
 
 MEMBER = auth.MEMBER
 CREATE = auth.CREATE

@@ -204,3 +204,43 @@ class ParsedRulesTest(SynchronousTestCase):
         for n in range(10):
             persist_module._parsed_rule("m.room.power_levels", f'{{"kick":{n}}}')
             self.assertLessEqual(len(persist_module._RULES_PARSED), 3)
+
+
+class _HeldWrites:
+    """Stream writers whose transactions finish when the test says: each call's specs, and its Deferred."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[EventSpec], Any]] = []
+
+    def run_write(self, desc: str, streams: Any, func: Any, specs: list[EventSpec], ids: list[str],
+                  **kwargs: Any) -> Any:
+        from twisted.internet.defer import Deferred
+
+        d: Deferred[list[PersistResult]] = Deferred()
+        self.calls.append((list(specs), d))
+        return d
+
+
+class InFlightCapTest(SynchronousTestCase):
+    def test_at_most_two_transactions_run_and_later_events_go_together(self) -> None:
+        """With two transactions running, events of other rooms wait and then share one transaction."""
+        from twisted.internet.task import Clock
+
+        from synflow.events import persist
+
+        self.assertEqual(persist.MAX_IN_FLIGHT, 2)
+        writers = _HeldWrites()
+        ids = itertools.count()
+        persister = EventPersister(writers, server_name=HS, instance_name=P1, event_writers=[P1],  # type: ignore[arg-type]
+                                   clock=Clock(), new_event_id=lambda: f"$e{next(ids)}:{HS}")
+        rooms = [f"!r{i}:{HS}" for i in range(5)]
+        results = [persister.persist([message(room, "x")]) for room in rooms]
+        self.assertEqual([[s.room_id for s in specs] for specs, _ in writers.calls], [rooms[:1], rooms[1:2]])
+        _, first = writers.calls[0]
+        first.callback([PersistResult("$a", 1, P1)])
+        self.assertEqual([s.room_id for s in writers.calls[2][0]], rooms[2:])  # the three waiting, in one
+        self.assertEqual(len(writers.calls), 3)
+        self.assertEqual(self.successResultOf(results[0])[0].event_id, "$a")
+        for specs, d in writers.calls[1:]:
+            d.callback([PersistResult(f"$e{s.room_id}", 2, P1) for s in specs])
+        self.assertEqual([self.successResultOf(r)[0].event_id for r in results[2:]], [f"$e{r}" for r in rooms[2:]])
