@@ -58,10 +58,11 @@ EVENTS_PERSISTED = counter("synflow_events_persisted_total", "Events persisted b
 
 #: Events persisted per transaction at most.
 MAX_BATCH = 256
-#: Persist transactions running at once in one persister. Events that arrive while both run go
-#: together in the next: on PostgreSQL, 2 rather than 4 took a third off the database's CPU per event
-#: under load (fewer, larger transactions), and at low load a batch still starts at once.
-MAX_IN_FLIGHT = 2
+#: Persist transactions running at once in one persister. Events that arrive while one runs go
+#: together in the next: under load, fewer and larger transactions (on PostgreSQL, one at a time
+#: rather than four took about half off the database's CPU per event and carried a fifth more
+#: events per second); at low load a batch still starts at once.
+MAX_IN_FLIGHT = 1
 
 MEMBER = auth.MEMBER
 CREATE = auth.CREATE
@@ -420,7 +421,7 @@ def _first_error(failure: Any) -> Any:
 
 
 class EventPersister:
-    """Batches persist requests into transactions, several at once over disjoint rooms.
+    """Batches persist requests into transactions (``max_in_flight`` at once, over disjoint rooms).
 
     A room's events are never in two transactions at the same time, so each
     room is still written by one transaction after another, in request

@@ -222,25 +222,37 @@ class _HeldWrites:
 
 
 class InFlightCapTest(SynchronousTestCase):
-    def test_at_most_two_transactions_run_and_later_events_go_together(self) -> None:
-        """With two transactions running, events of other rooms wait and then share one transaction."""
+    def _persister(self, **kwargs: Any) -> tuple[_HeldWrites, EventPersister]:
         from twisted.internet.task import Clock
 
-        from synflow.events import persist
-
-        self.assertEqual(persist.MAX_IN_FLIGHT, 2)
         writers = _HeldWrites()
         ids = itertools.count()
         persister = EventPersister(writers, server_name=HS, instance_name=P1, event_writers=[P1],  # type: ignore[arg-type]
-                                   clock=Clock(), new_event_id=lambda: f"$e{next(ids)}:{HS}")
+                                   clock=Clock(), new_event_id=lambda: f"$e{next(ids)}:{HS}", **kwargs)
+        return writers, persister
+
+    def test_one_transaction_at_a_time_and_later_events_go_together(self) -> None:
+        """By default one transaction runs; the events that arrive meanwhile share the next one, in order."""
+        writers, persister = self._persister()
         rooms = [f"!r{i}:{HS}" for i in range(5)]
         results = [persister.persist([message(room, "x")]) for room in rooms]
-        self.assertEqual([[s.room_id for s in specs] for specs, _ in writers.calls], [rooms[:1], rooms[1:2]])
-        _, first = writers.calls[0]
-        first.callback([PersistResult("$a", 1, P1)])
-        self.assertEqual([s.room_id for s in writers.calls[2][0]], rooms[2:])  # the three waiting, in one
-        self.assertEqual(len(writers.calls), 3)
+        self.assertEqual([[s.room_id for s in specs] for specs, _ in writers.calls], [rooms[:1]])
+        writers.calls[0][1].callback([PersistResult("$a", 1, P1)])
+        self.assertEqual([[s.room_id for s in specs] for specs, _ in writers.calls], [rooms[:1], rooms[1:]])
         self.assertEqual(self.successResultOf(results[0])[0].event_id, "$a")
-        for specs, d in writers.calls[1:]:
-            d.callback([PersistResult(f"$e{s.room_id}", 2, P1) for s in specs])
-        self.assertEqual([self.successResultOf(r)[0].event_id for r in results[2:]], [f"$e{r}" for r in rooms[2:]])
+        writers.calls[1][1].callback([PersistResult(f"$e{r}", 2 + i, P1) for i, r in enumerate(rooms[1:])])
+        self.assertEqual([self.successResultOf(r)[0].event_id for r in results[1:]], [f"$e{r}" for r in rooms[1:]])
+
+    def test_a_higher_cap_runs_transactions_of_other_rooms_side_by_side(self) -> None:
+        """With max_in_flight=2, a second room's event starts at once; the same room's waits for its first."""
+        writers, persister = self._persister(max_in_flight=2)
+        a, b = f"!a:{HS}", f"!b:{HS}"
+        persister.persist([message(a, "1")])
+        persister.persist([message(a, "2")])
+        persister.persist([message(b, "1")])
+        self.assertEqual([[(s.room_id, s.content["body"]) for s in specs] for specs, _ in writers.calls],
+                         [[(a, "1")], [(b, "1")]])
+        writers.calls[1][1].callback([PersistResult("$b1", 2, P1)])
+        self.assertEqual(len(writers.calls), 2)  # a's second event waits for a's first: room order
+        writers.calls[0][1].callback([PersistResult("$a1", 1, P1)])
+        self.assertEqual([(s.room_id, s.content["body"]) for s in writers.calls[2][0]], [(a, "2")])
