@@ -46,6 +46,7 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
 from synflow.audit_files import PartFiles
 from synflow.audit_gaps import GapTracker
+from synflow.json_encoding import compact_json
 from synflow.metrics import counter
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ def now_us(clock: IReactorTime) -> int:
 
 
 def _line(record: Mapping[str, Any]) -> str:
-    return json.dumps(record, separators=(",", ":"))
+    return compact_json(record)
 
 
 class AuditLog:

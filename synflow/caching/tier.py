@@ -51,6 +51,7 @@ from twisted.python.failure import Failure
 
 from synflow.config import CacheConfig
 from synflow.errors import ConfigError, SynflowError
+from synflow.json_encoding import compact_json
 from synflow.redis_connect import redis_endpoint, redis_password
 from synflow.sharding import shard_for
 
@@ -249,7 +250,7 @@ class CacheTier:
         Raises:
             TypeError: the value or key is not JSON-serialisable.
         """
-        encoded = json.dumps(value, separators=(",", ":"))
+        encoded = compact_json(value)
         keys = [self.keys.entry(name, key), self.keys.cache(name), self.keys.owner_floor(name, key)]
         d = self._request("eval", FILL_SCRIPT, keys, [encoded, str(int(position)), str(self.ttl_ms)])
         return d.addCallback(lambda r: int(r) == 1)
@@ -408,7 +409,7 @@ class FakeCacheTier:
         return self.lookup(name, key).addCallback(lambda e: (False, None) if e is None else (True, e[0]))
 
     def fill(self, name: str, key: Sequence[Any], value: Any, position: int) -> Deferred[bool]:
-        encoded = json.dumps(value, separators=(",", ":"))
+        encoded = compact_json(value)
         floor = self._floors.get(self.keys.owner_floor(name, key))
         if floor is None or floor > position:
             return succeed(False)

@@ -23,12 +23,12 @@ Internal to synflow: not part of the public API (``synflow.api``).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from typing import Any
 
 from synflow.errors import BadEvent
+from synflow.json_encoding import compact_json_unicode
 
 #: The longest event ID, room ID, user ID, event type or state key, in UTF-8 bytes.
 MAX_ID_BYTES = 255
@@ -161,7 +161,7 @@ def check_event_fields(fields: Mapping[str, Any]) -> None:
         raise FieldError("content must be an object")
     check_json_value(content, "content")
     present = {k: v for k, v in fields.items() if v is not None and k != "txn_id"}
-    size = len(json.dumps(present, separators=(",", ":"), ensure_ascii=False).encode("utf-8")) + PDU_RESERVE_BYTES
+    size = len(compact_json_unicode(present).encode("utf-8")) + PDU_RESERVE_BYTES
     if size > MAX_PDU_BYTES:
         raise EventTooLarge(f"the event is {size} bytes, more than {MAX_PDU_BYTES}")
 

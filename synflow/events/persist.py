@@ -43,6 +43,7 @@ from synflow.events import auth
 from synflow.events.auth import JoinRule, PowerLevels, RoomView
 from synflow.events.bounds import event_refusal
 from synflow.events.shards import ShardFence, ShardFollower
+from synflow.json_encoding import compact_json
 from synflow.metrics import counter, histogram
 from synflow.sharding import shard_for
 from synflow.storage.id_generators import StreamWriteContext, StreamWriters
@@ -357,7 +358,7 @@ def _write_txn(ctx: StreamWriteContext, accepted: list[_Accepted], ids: list[int
         spec = a.spec
         events.append((
             stream_id, instance_name, a.event_id, spec.room_id, spec.type, spec.state_key, spec.sender,
-            spec.membership, json.dumps(spec.content, separators=(",", ":")), spec.origin_server_ts, spec.origin,
+            spec.membership, compact_json(spec.content), spec.origin_server_ts, spec.origin,
             a.prev_event_id, a.depth, now_ms, None if a.destinations is None else json.dumps(a.destinations),
         ))
         heads[spec.room_id] = (a.event_id, a.depth, stream_id)

@@ -38,7 +38,6 @@ Internal to synflow: not part of the public API (``synflow.api``).
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import secrets
@@ -55,6 +54,7 @@ from synflow.events.persist import CREATE, MEMBER, EventSpec, PersistResult
 from synflow.events.sync import SyncHandler
 from synflow.http.ratelimit import TokenBucket
 from synflow.http.server import JsonResource, bearer_token, int_arg, query_arg
+from synflow.json_encoding import compact_json
 from synflow.storage.stores import DataStore, Requester
 from synflow.tokens import StreamToken
 
@@ -223,7 +223,7 @@ class ClientApi(JsonResource):
             raise HttpApiError(400, "M_TOO_LARGE", f"event content is larger than {self.limits.max_event_bytes} bytes")
         content = self.body(request)
         self._rate_limit(requester.user_id, request)
-        txn_key = json.dumps([requester.device_id, room_id, event_type, txn_id], separators=(",", ":"))
+        txn_key = compact_json([requester.device_id, room_id, event_type, txn_id])
         result = await self._persist_one(self._spec(room_id, event_type, requester.user_id, content, txn_id=txn_key))
         token = await self.event_position(result)
         return 200, {"event_id": result.event_id, "token": str(token)}

@@ -50,6 +50,7 @@ from synflow.config import HostPort
 from synflow.errors import HttpApiError, PersistRefused
 from synflow.http.rpc_http import RpcHttpPool
 from synflow.http.server import INTERNAL_PREFIX, JsonResource, bearer_token, http_error
+from synflow.json_encoding import compact_json
 from synflow.metrics import counter, histogram
 from synflow.util import observe, sleep
 
@@ -245,7 +246,7 @@ class RpcClient:
             raise HttpApiError(502, "M_UNKNOWN", f"instance {instance!r} is not in instance_map")
         txn_id = secrets.token_urlsafe(12)
         path = f"{PREFIX}/{name}/{txn_id}"
-        body = json.dumps({"args": args, "positions": self.positions.own_positions()}).encode()
+        body = compact_json({"args": args, "positions": self.positions.own_positions()}).encode()
         last_error: Exception | None = None
         for attempt in range(1, attempts + 1):
             try:

@@ -42,6 +42,7 @@ from synflow.errors import (
     PersistRefused,
     RoomMoving,
 )
+from synflow.json_encoding import compact_encoder
 from synflow.metrics import histogram
 
 logger = logging.getLogger(__name__)
@@ -276,16 +277,8 @@ def _bracket_depth(text: str) -> int:
     return deepest
 
 
-_json_encoder = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
-# ``JSONEncoder.encode`` builds a fresh C encoder per call, which costs about
-# as much as encoding a typical response: the C encoder is built once here
-# (the same output; a reference cycle ends in RecursionError, not a check).
-_c_make_encoder: Any = getattr(json.encoder, "c_make_encoder", None)
-_encode_chunks: Any = (
-    _c_make_encoder(None, _json_encoder.default, json.encoder.encode_basestring_ascii, None, ":", ",",
-                    False, False, False)
-    if _c_make_encoder else None
-)
+# Built once (see synflow.json_encoding): a response is encoded per request.
+_encode_strict = compact_encoder(allow_nan=False)
 
 
 def encode_json(value: Any) -> bytes:
@@ -296,9 +289,7 @@ def encode_json(value: Any) -> bytes:
         ValueError: NaN or Infinity in ``value``.
         TypeError: ``value`` holds something JSON cannot encode.
     """
-    if _encode_chunks is not None:
-        return "".join(_encode_chunks(value, 0)).encode("ascii")
-    return _json_encoder.encode(value).encode("ascii")
+    return _encode_strict(value).encode("ascii")
 
 
 def respond_json(request: Request, code: int, body: Any) -> None:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import enum
 import json
-import json.encoder
 import json.scanner
 import math
 import operator
@@ -38,6 +37,7 @@ from typing import Any, ClassVar, Final, Protocol, TypeAlias
 import attrs
 
 from synflow.errors import LocalProtocolError, RemoteProtocolError
+from synflow.json_encoding import c_chunk_encoder
 from synflow.limits import MAX_LINE_LENGTH
 
 #: The literal RDATA token of every row of a multi-row batch but the last.
@@ -184,23 +184,9 @@ _json_decoder = json.JSONDecoder(parse_constant=_no_constants, parse_float=_fini
 # through ``decode`` for the exact outcome and message. Without the C
 # accelerator (another interpreter) both fall back to the objects above.
 _c_make_scanner: Any = getattr(json.scanner, "c_make_scanner", None)
-_c_make_encoder: Any = getattr(json.encoder, "c_make_encoder", None)
 _scan_json: Any = _c_make_scanner(_json_decoder) if _c_make_scanner else None
-_encode_json_chunks: Any = (
-    _c_make_encoder(
-        None,  # no circular-reference markers: a cycle ends in RecursionError, refused below
-        _json_encoder.default,
-        json.encoder.encode_basestring_ascii,
-        None,  # no indent
-        ":",
-        ",",
-        False,  # sort_keys
-        False,  # skipkeys
-        False,  # allow_nan
-    )
-    if _c_make_encoder
-    else None
-)
+# No circular-reference markers: a cycle ends in RecursionError, refused below.
+_encode_json_chunks: Any = c_chunk_encoder(allow_nan=False)
 
 
 def encode_json(value: Any) -> str:

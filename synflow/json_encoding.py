@@ -1,0 +1,53 @@
+"""Compact JSON encoders built once, for the paths that encode on every event, row or request.
+
+``json.dumps(value, separators=(",", ":"))`` builds a ``JSONEncoder`` and,
+inside it, a fresh C encoder on every call, which costs about as much as
+encoding a small object. The functions here build both once; the text is
+the same as ``json.dumps`` gives with the same settings (a reference cycle
+ends in ``RecursionError`` rather than the ``ValueError`` of its cycle
+check: values encoded here come from parsed JSON or are built by synflow).
+
+Internal to synflow: not part of the public API (``synflow.api``).
+"""
+
+from __future__ import annotations
+
+import json
+import json.encoder
+from collections.abc import Callable
+from typing import Any
+
+__all__: list[str] = []
+
+_c_make_encoder: Any = getattr(json.encoder, "c_make_encoder", None)
+
+
+def c_chunk_encoder(*, ensure_ascii: bool = True, allow_nan: bool = True) -> Any:
+    """The C encoder (``encoder(value, 0)`` returns the text's chunks), or None without the accelerator."""
+    if _c_make_encoder is None:
+        return None
+    base = json.JSONEncoder(separators=(",", ":"), ensure_ascii=ensure_ascii, allow_nan=allow_nan)
+    strings = json.encoder.encode_basestring_ascii if ensure_ascii else json.encoder.encode_basestring
+    return _c_make_encoder(None, base.default, strings, None, ":", ",", False, False, allow_nan)
+
+
+def compact_encoder(*, ensure_ascii: bool = True, allow_nan: bool = True) -> Callable[[Any], str]:
+    """``json.dumps(value, separators=(",", ":"), ensure_ascii=..., allow_nan=...)``, built once.
+
+    The returned function raises ``ValueError`` (NaN or Infinity when not
+    allowed) and ``TypeError`` (a value JSON cannot hold) as ``json.dumps``.
+    """
+    chunks = c_chunk_encoder(ensure_ascii=ensure_ascii, allow_nan=allow_nan)
+    if chunks is None:
+        return json.JSONEncoder(separators=(",", ":"), ensure_ascii=ensure_ascii, allow_nan=allow_nan).encode
+
+    def encode(value: Any) -> str:
+        return "".join(chunks(value, 0))
+
+    return encode
+
+
+#: ``json.dumps(value, separators=(",", ":"))``.
+compact_json: Callable[[Any], str] = compact_encoder()
+#: The same with non-ASCII characters as themselves (``ensure_ascii=False``).
+compact_json_unicode: Callable[[Any], str] = compact_encoder(ensure_ascii=False)
