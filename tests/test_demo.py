@@ -131,12 +131,27 @@ class FreePortTest(SynchronousTestCase):
         ephemeral = deploy._ephemeral_low()
         if ephemeral is None or ephemeral < high:
             self.fail(f"this machine's ephemeral range starts at {ephemeral}, below {high}")
+        # Two neighbouring ports of the range, the first taken here: other test processes use the range too.
         busy = socket.socket()
         self.addCleanup(busy.close)
-        busy.bind(("127.0.0.1", low))
+        for port in range(high - 2, low, -2):
+            try:
+                busy.bind(("127.0.0.1", port))
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", port + 1))
+            except OSError:
+                busy.close()
+                busy = socket.socket()
+                continue
+            break
+        else:
+            self.fail(f"no two neighbouring free ports in {deploy.FREE_PORT_RANGE}")
         busy.listen()
-        self.patch(deploy, "FREE_PORT_RANGE", (low, low + 2))
+        taken = busy.getsockname()[1]
+        # Another process's mark on a port is tested in tests/test_free_port.py; here every port is unmarked.
+        self.patch(deploy, "_reserve", lambda port: True)
+        self.patch(deploy, "FREE_PORT_RANGE", (taken, taken + 2))
         self.patch(deploy, "_HANDED_OUT", set())
-        self.assertEqual(deploy.free_port(), low + 1)  # low is taken
+        self.assertEqual(deploy.free_port(), taken + 1)  # the first is taken
         # The range is used up: the kernel's ephemeral ports are the fallback.
         self.assertGreaterEqual(deploy.free_port(), ephemeral)
