@@ -456,6 +456,8 @@ class EventPersister:
         self._pending: list[tuple[EventSpec, Deferred[PersistResult]]] = []
         self._busy_rooms: set[str] = set()
         self._in_flight = 0
+        #: Batches whose transaction failed, being retried an event at a time (outside the in-flight cap).
+        self._retrying = 0
         self._idle_waiters: list[Deferred[None]] = []
         self.batches = 0
         self.persisted = 0
@@ -521,11 +523,15 @@ class EventPersister:
     def drain(self) -> Deferred[None]:
         """Fires once every queued and in-flight event has been persisted (for shutdown)."""
         d: Deferred[None] = Deferred()
-        if not self._in_flight and not self._pending:
+        if self._idle:
             d.callback(None)
         else:
             self._idle_waiters.append(d)
         return d
+
+    @property
+    def _idle(self) -> bool:
+        return not self._in_flight and not self._retrying and not self._pending
 
     def _start_batches(self) -> None:
         while self._pending and self._in_flight < self.max_in_flight:
@@ -548,7 +554,7 @@ class EventPersister:
             self._busy_rooms |= rooms
             self._in_flight += 1
             self._run_batch(batch, rooms)
-        if not self._in_flight and not self._pending:
+        if self._idle:
             waiters, self._idle_waiters = self._idle_waiters, []
             for w in waiters:
                 w.callback(None)
@@ -580,10 +586,17 @@ class EventPersister:
         started = time.perf_counter()
         BATCH_SIZE.observe(len(batch))
         d = self._write(specs)
+        holds_slot = [True]
         if len(batch) > 1:
             def alone(failure: Any) -> Deferred[list[PersistResult]]:
                 logger.warning("persisting a batch of %d events failed (%s); retrying each alone",
                                len(batch), failure.getErrorMessage())
+                # The retries give up the batch's in-flight slot: other rooms' events go on meanwhile
+                # (this batch's rooms stay busy until the retries end, which keeps each room's order).
+                holds_slot[0] = False
+                self._in_flight -= 1
+                self._retrying += 1
+                self._start_batches()
                 return Deferred.fromCoroutine(self._write_alone(batch))
             d.addErrback(alone)
 
@@ -602,7 +615,10 @@ class EventPersister:
                 waiter.errback(failure)
 
         def finished(_: Any) -> None:
-            self._in_flight -= 1
+            if holds_slot[0]:
+                self._in_flight -= 1
+            else:
+                self._retrying -= 1
             self._busy_rooms -= rooms
             self._start_batches()
 

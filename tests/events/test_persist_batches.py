@@ -256,3 +256,36 @@ class InFlightCapTest(SynchronousTestCase):
         self.assertEqual(len(writers.calls), 2)  # a's second event waits for a's first: room order
         writers.calls[0][1].callback([PersistResult("$a1", 1, P1)])
         self.assertEqual([(s.room_id, s.content["body"]) for s in writers.calls[2][0]], [(a, "2")])
+
+    def test_a_failed_batch_retried_alone_does_not_hold_up_other_rooms(self) -> None:
+        """While a failed batch is retried an event at a time, other rooms' events are written; its rooms wait."""
+        writers, persister = self._persister()
+        a, b, c, d = (f"!{x}:{HS}" for x in "abcd")
+
+        def rooms_of(call: int) -> list[str]:
+            return [s.room_id for s in writers.calls[call][0]]
+
+        first = persister.persist([message(a, "1")])
+        pending = [persister.persist([message(b, "1")]), persister.persist([message(c, "1")])]
+        writers.calls[0][1].callback([PersistResult("$a1", 1, P1)])
+        self.assertEqual(rooms_of(1), [b, c])  # the two waiting events, in one transaction
+        other = persister.persist([message(d, "1")])
+        later_b = persister.persist([message(b, "2")])
+        self.assertEqual(len(writers.calls), 2)  # the cap: one transaction at a time
+        drained = persister.drain()
+        writers.calls[1][1].errback(RuntimeError("the batch's transaction failed"))
+        self.assertEqual([rooms_of(i) for i in range(2, len(writers.calls))], [[d], [b]])  # d goes on; b alone
+        writers.calls[2][1].callback([PersistResult("$d1", 2, P1)])
+        self.assertEqual(self.successResultOf(other)[0].event_id, "$d1")
+        self.assertEqual(len(writers.calls), 4)  # b's later event waits for b's retry: room order
+        writers.calls[3][1].callback([PersistResult("$b1", 3, P1)])
+        self.assertEqual(rooms_of(4), [c])  # the retries go one after another
+        self.assertNoResult(drained)
+        writers.calls[4][1].callback([PersistResult("$c1", 4, P1)])
+        self.assertEqual([self.successResultOf(p)[0].event_id for p in pending], ["$b1", "$c1"])
+        self.assertEqual(rooms_of(5), [b])  # b's later event, after b's first
+        self.assertNoResult(drained)
+        writers.calls[5][1].callback([PersistResult("$b2", 5, P1)])
+        self.assertEqual(self.successResultOf(later_b)[0].event_id, "$b2")
+        self.assertIsNone(self.successResultOf(drained))
+        self.assertEqual(self.successResultOf(first)[0].event_id, "$a1")
