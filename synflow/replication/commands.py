@@ -30,7 +30,6 @@ import enum
 import json
 import json.scanner
 import math
-import operator
 import re
 from typing import Any, ClassVar, Final, Protocol, TypeAlias
 
@@ -615,22 +614,11 @@ def _rdata_from_fields(stream: str, instance: str, token: str, row_json: str, de
         number = None
     else:
         number = _parse_int(token, "RDATA token")
-    row: Any = row_json
-    if decode_rows:
-        if _scan_json is None:
-            row = _decode_row(row_json)
-        else:
-            try:  # _decode_row's fast path, inlined: once per row read
-                row, end = _scan_json(row_json, 0)
-            except (StopIteration, ValueError, RecursionError):
-                end = -1
-            if end != len(row_json) or type(row) is not list:
-                row = _decode_row(row_json)  # settles it, with the decoder's own message
     cmd = _new(RdataCommand)
     _rdata_stream(cmd, stream)
     _rdata_instance(cmd, instance)
     _rdata_token(cmd, number)
-    _rdata_row(cmd, row)
+    _rdata_row(cmd, _decode_row(row_json) if decode_rows else row_json)
     _rdata_wire(cmd, wire)  # a relay sends the bytes received on unchanged
     return cmd
 
@@ -778,10 +766,6 @@ _TEXT_FIELD: Final[dict[type[AnyCommand], str]] = {
 _TEXT_FIELD_SETTER: Final[dict[type[AnyCommand], Any]] = {
     cls: _slot_setters(cls, name)[0] for cls, name in _TEXT_FIELD.items()
 }
-#: The line prefix (``NAME`` and a space) and field getter of each, for :func:`encode_line_bytes`.
-_TEXT_ENCODING: Final[dict[type[AnyCommand], tuple[str, Any]]] = {
-    cls: (f"{cls.NAME} ", operator.attrgetter(name)) for cls, name in _TEXT_FIELD.items()
-}
 
 
 def parse_line(line: str | bytes, *, decode_rows: bool = True) -> AnyCommand:
@@ -898,52 +882,33 @@ def encode_line_bytes(cmd: AnyCommand) -> bytes:
         if data is None:
             # Every field was checked when the command was built.
             row = c._row
-            if type(row) is list and _encode_json_chunks is not None:  # _rdata_line's common case, inlined
-                token = c.token
-                try:
-                    data = (f"RDATA {c.stream_name} {c.instance_name} {BATCH_TOKEN if token is None else token} "
-                            f"{''.join(_encode_json_chunks(row, 0))}").encode()
-                except (TypeError, ValueError, RecursionError):
-                    data = None  # settled by _rdata_line, with its message
-                if data is None or len(data) > MAX_LINE_LENGTH:
-                    data = _rdata_line(c.stream_name, c.instance_name, token, row)
-            else:
-                data = _rdata_line(c.stream_name, c.instance_name, c.token, c.row)
+            data = _rdata_line(c.stream_name, c.instance_name, c.token, c.row if type(row) is str else row)
             _rdata_wire(c, data)  # sent to several connections: encoded once
         return data
     if kind is PositionCommand:
         data = c.wire
         if data is None:
-            try:
-                data = f"POSITION {c.stream_name} {c.instance_name} {c.prev_token} {c.new_token}".encode()
-            except UnicodeEncodeError as e:
-                raise _not_utf8("POSITION", e) from None
+            line = f"POSITION {c.stream_name} {c.instance_name} {c.prev_token} {c.new_token}"
+            data = _utf8_line(line, "POSITION")
             if len(data) > MAX_LINE_LENGTH:
                 encode_line(c)  # raises, with the size
             _position_wire(c, data)
         return data
-    text = _TEXT_ENCODING.get(kind)
-    if text is not None:
+    field = _TEXT_FIELD.get(kind)
+    if field is not None:
         # The field holds no newline (checked when the command was built).
-        try:
-            data = (text[0] + text[1](c)).encode()
-        except UnicodeEncodeError as e:
-            raise _not_utf8(c.NAME, e) from None
+        data = _utf8_line(f"{c.NAME} {getattr(c, field)}", c.NAME)
         if len(data) > MAX_LINE_LENGTH:
             encode_line(c)  # raises, with the size
         return data
     return _utf8_line(encode_line(cmd), cmd.NAME)
 
 
-def _not_utf8(name: str, error: UnicodeEncodeError) -> LocalProtocolError:
-    return LocalProtocolError(f"{name} line is not encodable as UTF-8: {error.reason}")
-
-
 def _utf8_line(line: str, name: str) -> bytes:
     try:
         return line.encode()
     except UnicodeEncodeError as e:
-        raise _not_utf8(name, e) from None
+        raise LocalProtocolError(f"{name} line is not encodable as UTF-8: {e.reason}") from None
 
 
 def _rdata_line(stream_name: str, instance_name: str, token: int | None, row: list[Any]) -> bytes:
@@ -957,7 +922,7 @@ def _rdata_line(stream_name: str, instance_name: str, token: int | None, row: li
             data = (f"RDATA {stream_name} {instance_name} {BATCH_TOKEN if token is None else token} "
                     f"{_json_encoder.encode(row)}").encode()
     except UnicodeEncodeError as e:  # before ValueError, its base: a lone surrogate in a word
-        raise _not_utf8("RDATA", e) from None
+        raise LocalProtocolError(f"RDATA line is not encodable as UTF-8: {e.reason}") from None
     except (TypeError, ValueError, RecursionError) as e:
         raise LocalProtocolError(f"row is not encodable as JSON: {e}") from None
     if len(data) > MAX_LINE_LENGTH:

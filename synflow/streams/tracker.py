@@ -132,16 +132,11 @@ class PositionTracker(Generic[P]):
         Raises:
             TrackerError: the ID is not reserved.
         """
-        if stream_id not in self._unfinished:
-            raise TrackerError(f"stream ID {stream_id} completed but not reserved (or completed twice)")
-        self._unfinished.discard(stream_id)
-        self._finished[stream_id] = Completed(stream_id, ok, payload)
-        heapq.heappush(self._finished_heap, stream_id)
-        return self._release()
+        return self.complete_many((stream_id,), ok, None if payload is None else {stream_id: payload})
 
     def complete_many(self, stream_ids: Sequence[int], ok: bool = True,
                       payloads: Mapping[int, P] | None = None) -> list[Completed[P]]:
-        """Mark several reserved IDs completed alike (one transaction's): :meth:`complete` of each, at once.
+        """Mark several reserved IDs completed alike (one transaction's), working out the position once.
 
         Returns the same facts, in the same order, as completing them one by
         one would, but works out the position once rather than once per ID.
