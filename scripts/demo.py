@@ -149,6 +149,7 @@ async def traffic(args: argparse.Namespace, servers: dict[str, list[str]]) -> Wo
     await workload.setup()
     step(f"sending {args.messages} messages through both servers while every user syncs")
     chains = ensureDeferred(workload.sync_chains())
+    await workload.syncing()
     await workload.send_messages()
     workload.stop_syncing()
     await chains

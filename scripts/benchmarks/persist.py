@@ -40,7 +40,16 @@ TARGETS = [
      "label": "≥ 5k events/s with 2 persisters"},
     {"row": "persist.latency.p99", "field": "value", "op": "<=", "threshold": 50,
      "label": "p99 send → visible in another process's sync ≤ 50 ms at 1k events/s"},
+    {"row": "persist.scaling", "field": "value", "op": ">=", "threshold": 1.0,
+     "label": "2 persisters no slower than 1"},
+    {"row": "persist.cpu_synflow.1", "field": "value", "op": "<=", "threshold": 0.8,
+     "label": "≤ 0.8 ms CPU per event over master + persisters, 1 persister"},
+    {"row": "persist.cpu_synflow.2", "field": "value", "op": "<=", "threshold": 0.8,
+     "label": "≤ 0.8 ms CPU per event over master + persisters, 2 persisters"},
 ]
+
+#: The processes of the deployment itself (the load driver and PostgreSQL are not synflow's).
+SYNFLOW_PROCESSES = ("master", "persister")
 
 
 def cpu_snapshot(pids: dict[str, int]) -> dict[str, float]:
@@ -184,6 +193,11 @@ def run(quick: bool, progress: Progress) -> dict[str, Any]:
     rows.append({"key": "persist.cpu", "label": "CPU per event, all processes (driver, master, persisters, PostgreSQL)",
                  "unit": "ms/event", "value": sum(two["throughput"]["cpu"]["ms_per_event"].values()),
                  "ceiling": None, "ratio": None})
+    for n, res in ((1, one), (2, two)):
+        per_event = res["throughput"]["cpu"]["ms_per_event"]
+        rows.append({"key": f"persist.cpu_synflow.{n}", "unit": "ms/event", "ceiling": None, "ratio": None,
+                     "label": f"CPU per event, master + persisters, {n} persister(s)",
+                     "value": sum(v for k, v in per_event.items() if k.startswith(SYNFLOW_PROCESSES))})
     latency: dict[str, Any] = {}
     for rate, lat in two["latency"].items():
         suffix = "" if rate == 1000 else f".at{rate}"

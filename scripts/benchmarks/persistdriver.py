@@ -22,7 +22,6 @@ from typing import Any
 
 from twisted.internet import reactor
 from twisted.internet.defer import ensureDeferred
-from twisted.internet.task import deferLater
 
 from scripts.benchmarks.common import emit, percentile
 from synflow.tools.workload import UserState, Workload
@@ -67,7 +66,7 @@ async def latency(args: argparse.Namespace) -> None:
     emit("phase", name="setup")
     await w.setup()
     chains = ensureDeferred(w.sync_chains())
-    await deferLater(reactor, 1.0, lambda: None)  # every chain has an initial token
+    await w.syncing()  # every chain has its first token
     emit("phase", name="send")
     await w.send_messages(rate_per_s=args.rate)
     emit("phase", name="sent")

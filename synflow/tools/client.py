@@ -1,9 +1,14 @@
-"""A small asynchronous client for synflow's client API (real HTTP through twisted.web's Agent), for tools and tests.
+"""A small asynchronous client for synflow's client API (real HTTP over kept-alive connections), for tools and tests.
 
-A bare ``Agent`` rather than treq: treq's URL parsing (hyperlink, IDNA) and
-its redirect, cookie and content layers cost more CPU than the request, and
-the load generators (``scripts/demo``, the ``mainjob`` benchmark) share the
-machine with the deployment they measure.
+The API calls go through the internal RPC's HTTP/1.1 client
+(:class:`~synflow.http.rpc_http.RpcHttpPool`: the request written as one
+buffer, the answer read by a bounded parser) rather than twisted.web's
+``Agent`` or treq: those build a URI (with IDNA checks), a ``Headers``, a
+body producer, a request and a response object for every call, which cost
+more CPU than the request itself, and the load generators (``scripts/demo``,
+the ``mainjob`` benchmark) share the machine with the deployment they
+measure. :attr:`Client.http` is treq over twisted.web's pool, for callers
+that want a full response object (headers and all).
 
 Internal to synflow: not part of the public API (``synflow.api``).
 """
@@ -11,18 +16,21 @@ Internal to synflow: not part of the public API (``synflow.api``).
 from __future__ import annotations
 
 import json
-from io import BytesIO
+from functools import lru_cache
 from typing import Any
-from urllib.parse import quote, urlencode
+from urllib.parse import quote, urlencode, urlsplit
 
 from treq.client import HTTPClient
 from twisted.internet import reactor
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import CancelledError, Deferred, gatherResults
 from twisted.internet.error import TimeoutError
-from twisted.web.client import Agent, FileBodyProducer, HTTPConnectionPool, readBody
-from twisted.web.http_headers import Headers
+from twisted.web.client import Agent, HTTPConnectionPool
+
+from synflow.http.rpc_http import RpcHttpPool
 
 PREFIX = "/_synflow/client/v1"
+#: Kept-alive connections per server address (the load generators keep up to 24 sends and 80 syncs in flight).
+MAX_IDLE_PER_ADDRESS = 128
 
 
 class ApiError(Exception):
@@ -33,17 +41,69 @@ class ApiError(Exception):
         self.errcode = body.get("errcode") if isinstance(body, dict) else None
 
 
+class ClientPool(HTTPConnectionPool):
+    """The connections of a set of :class:`Client` s: the API calls' own (:attr:`calls`) and twisted.web's, for treq."""
+
+    def __init__(self) -> None:
+        super().__init__(reactor, persistent=True)
+        self.maxPersistentPerHost = 64
+        self.calls = RpcHttpPool(reactor, max_idle_per_address=MAX_IDLE_PER_ADDRESS)
+
+    def closeCachedConnections(self) -> Deferred[None]:
+        """Close every connection of both kinds (a call in flight fails)."""
+        return gatherResults([super().closeCachedConnections(), self.calls.close()]).addCallback(lambda _: None)
+
+
+@lru_cache(maxsize=256)
+def _address(base_url: str) -> tuple[str, int, bytes]:
+    """``http://host:port`` -> (host, port, the request line's prefix and Host header's value)."""
+    parts = urlsplit(base_url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"the client speaks plain HTTP to host:port, not {base_url!r}")
+    port = parts.port or 80
+    return parts.hostname, port, parts.netloc.encode("ascii")
+
+
+def _request_bytes(method: str, path: str, authority: bytes, token: str | None, data: bytes | None,
+                   headers: dict | None) -> bytes:
+    """One whole HTTP/1.1 request; a method, path or header that would break the request line or a header refuses."""
+    target = (PREFIX + path).encode("ascii")
+    if not method.isalpha() or any(c <= 0x20 or c == 0x7F for c in target):
+        raise ValueError(f"invalid method or path: {method!r} {path!r}")
+    head = [method.encode("ascii") + b" " + target + b" HTTP/1.1", b"Host: " + authority,
+            b"Content-Type: application/json"]
+    if token is not None:
+        head.append(b"Authorization: Bearer " + token.encode("ascii"))
+    for name, values in (headers or {}).items():
+        name_b = name if isinstance(name, bytes) else name.encode("ascii")
+        for value in values:
+            value_b = value if isinstance(value, bytes) else value.encode("ascii")
+            if b"\r" in value_b or b"\n" in value_b or b":" in name_b or not name_b.strip():
+                raise ValueError(f"invalid header {name!r}")
+            head.append(name_b + b": " + value_b)
+    if data is not None:
+        head.append(b"Content-Length: " + str(len(data)).encode("ascii"))
+    return b"\r\n".join(head) + b"\r\n\r\n" + (data or b"")
+
+
 class Client:
     """One user's view of a synflow server (or just the anonymous endpoints)."""
 
-    def __init__(self, base_url: str, pool: HTTPConnectionPool, token: str | None = None) -> None:
+    def __init__(self, base_url: str, pool: ClientPool, token: str | None = None) -> None:
+        if not isinstance(pool, ClientPool):
+            raise TypeError(f"a Client needs a pool from new_pool(), not {type(pool).__name__}")
         self.base_url = base_url.rstrip("/")
         self.pool = pool
-        self.agent = Agent(reactor, pool=pool)
-        #: treq over the same connections, for callers that want its response object (headers and all).
-        self.http = HTTPClient(self.agent)
         self.token = token
         self.user_id: str | None = None
+        self._http: HTTPClient | None = None
+
+    @property
+    def http(self) -> HTTPClient:
+        """treq over the pool's twisted.web connections, for callers that want its response object."""
+        if self._http is None:
+            self._http = HTTPClient(Agent(reactor, pool=self.pool))
+        return self._http
 
     def at(self, base_url: str) -> Client:
         """The same user talking to another process."""
@@ -53,28 +113,21 @@ class Client:
 
     async def request(self, method: str, path: str, body: Any = None, raw: bytes | None = None,
                       headers: dict | None = None, timeout: float = 60) -> Any:
-        hdrs = Headers({b"Content-Type": [b"application/json"]})
-        if self.token is not None:
-            hdrs.setRawHeaders(b"Authorization", [b"Bearer " + self.token.encode()])
-        for name, values in (headers or {}).items():
-            hdrs.setRawHeaders(name, values)
+        host, port, authority = _address(self.base_url)
         data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-        producer = FileBodyProducer(BytesIO(data)) if data is not None else None
-        waiting: list[Deferred[Any]] = [
-            self.agent.request(method.encode("ascii"), (self.base_url + PREFIX + path).encode("ascii"), hdrs, producer)
-        ]
-        timer = reactor.callLater(timeout, lambda: waiting[0].cancel())  # the whole exchange, body included
+        d = Deferred.fromCoroutine(
+            self.pool.calls.request(host, port, _request_bytes(method, path, authority, self.token, data, headers)))
+        timer = reactor.callLater(timeout, d.cancel)  # the whole exchange, body included
         try:
-            response = await waiting[0]
-            waiting[0] = readBody(response)
-            content = await waiting[0]
-        except Exception:
+            response = await d
+        except CancelledError:
             if not timer.active():
                 raise TimeoutError(f"no answer within {timeout}s") from None
             raise
         finally:
             if timer.active():
                 timer.cancel()
+        content = response.body
         try:
             parsed = json.loads(content) if content else None
         except ValueError:
@@ -126,7 +179,6 @@ class Client:
         return await self.request("GET", "/sync?" + urlencode(params), timeout=timeout_ms / 1000 + 60)
 
 
-def new_pool() -> HTTPConnectionPool:
-    pool = HTTPConnectionPool(reactor, persistent=True)
-    pool.maxPersistentPerHost = 64
-    return pool
+def new_pool() -> ClientPool:
+    """Connections for a set of :class:`Client` s; close them with ``closeCachedConnections()``."""
+    return ClientPool()

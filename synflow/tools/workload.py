@@ -24,7 +24,13 @@ from typing import Any
 
 import attrs
 from twisted.internet import reactor
-from twisted.internet.defer import DeferredSemaphore, ensureDeferred, gatherResults
+from twisted.internet.defer import (
+    CancelledError,
+    Deferred,
+    DeferredSemaphore,
+    ensureDeferred,
+    gatherResults,
+)
 from twisted.internet.task import deferLater
 
 from synflow.sharding import shard_for
@@ -40,6 +46,7 @@ class UserState:
     delivered: list[tuple[str, str]] = attrs.Factory(list)  # (room_id, event_id)
     syncs: int = 0
     errors: int = 0
+    online: bool = False
 
 
 @attrs.define
@@ -145,6 +152,8 @@ class Workload:
         self.retried: dict[str, str] = {}
         self.send_seconds = 0.0
         self._stop_syncing = False
+        self._online = 0
+        self._online_waiters: list[Deferred[None]] = []
 
     def url(self, server: str | None = None) -> str:
         return self.rng.choice(self.servers[server] if server is not None else self.urls)
@@ -288,7 +297,7 @@ class Workload:
     # -- sync chains ----------------------------------------------------------------------
 
     async def sync_chains(self) -> None:
-        """Run every user's sync chain until :meth:`stop_syncing`."""
+        """Run every user's sync chain until :meth:`stop_syncing` (:meth:`syncing` waits for their first answers)."""
         await gatherResults([ensureDeferred(self._chain(u)) for u in self.users])
 
     def stop_syncing(self) -> None:
@@ -297,6 +306,38 @@ class Workload:
     async def _chain(self, user: UserState) -> None:
         while not self._stop_syncing:
             await self.sync_once(user, self.sync_timeout_ms)
+            if user.since is not None and not user.online:
+                user.online = True
+                self._online += 1
+                if self._online == len(self.users):
+                    waiters, self._online_waiters = self._online_waiters, []
+                    for d in waiters:
+                        if not d.called:
+                            d.callback(None)
+
+    async def syncing(self, timeout_s: float = 60.0) -> None:
+        """Wait until every user's sync chain has had its first answer: every client is online.
+
+        A client makes its first sync when it starts, before it sends: the
+        traffic starts from there rather than together with every user's
+        first sync.
+
+        Raises:
+            RuntimeError: some chain had no answer within ``timeout_s``.
+        """
+        if self._online == len(self.users):
+            return
+        d: Deferred[None] = Deferred()
+        self._online_waiters.append(d)
+        timer = reactor.callLater(timeout_s, d.cancel)
+        try:
+            await d
+        except CancelledError:
+            raise RuntimeError(f"{len(self.users) - self._online} of {len(self.users)} users' first sync "
+                               f"had no answer within {timeout_s:g} s") from None
+        finally:
+            if timer.active():
+                timer.cancel()
 
     def sync_url(self, user: UserState) -> str:
         """Where ``user``'s next sync goes: the client API of the user's server."""
