@@ -130,6 +130,8 @@ class ClientTest(_ServerTest):
             await client.request("GET", "/a", headers={"X-Test": ["1\r\nX-Injected: 1"]})
         with self.assertRaises(ValueError):
             await client.request("GET /x HTTP/1.1\r\n", "/a")
+        with self.assertRaises(ValueError):
+            await Client(self.url, self.pool, token="t\r\nX-Injected: 1").request("GET", "/a")
         self.assertEqual(self.site.connections, 0)
 
     def test_needs_a_client_pool(self) -> None:

@@ -56,7 +56,7 @@ class ClientPool(HTTPConnectionPool):
 
 @lru_cache(maxsize=256)
 def _address(base_url: str) -> tuple[str, int, bytes]:
-    """``http://host:port`` -> (host, port, the request line's prefix and Host header's value)."""
+    """``http://host:port`` (an IPv4 address or a name) -> (host, port, the ``Host`` header's value)."""
     parts = urlsplit(base_url)
     if parts.scheme != "http" or not parts.hostname:
         raise ValueError(f"the client speaks plain HTTP to host:port, not {base_url!r}")
@@ -73,7 +73,10 @@ def _request_bytes(method: str, path: str, authority: bytes, token: str | None, 
     head = [method.encode("ascii") + b" " + target + b" HTTP/1.1", b"Host: " + authority,
             b"Content-Type: application/json"]
     if token is not None:
-        head.append(b"Authorization: Bearer " + token.encode("ascii"))
+        token_b = token.encode("ascii")
+        if any(c <= 0x20 or c == 0x7F for c in token_b):
+            raise ValueError("invalid access token")
+        head.append(b"Authorization: Bearer " + token_b)
     for name, values in (headers or {}).items():
         name_b = name if isinstance(name, bytes) else name.encode("ascii")
         for value in values:
