@@ -39,7 +39,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import Deferred
 from twisted.internet.error import ConnectError, ConnectingCancelledError, TimeoutError
 from twisted.internet.interfaces import IReactorTime
 from twisted.web.client import ResponseFailed
@@ -281,15 +281,7 @@ class RpcClient:
             f"POST {path} HTTP/1.1\r\nHost: {address.host}:{address.port}\r\n".encode(), self._fixed_headers,
             b"Content-Length: %d\r\n\r\n" % len(body), body,
         ))
-        d = Deferred.fromCoroutine(self.pool.request(address.host, address.port, request))
-        timer = self.reactor.callLater(self.timeout_s, d.cancel)
-        try:
-            response = await d
-        except CancelledError:
-            raise TimeoutError(f"no answer within {self.timeout_s}s") from None
-        finally:
-            if timer.active():
-                timer.cancel()
+        response = await self.pool.request_within(address.host, address.port, request, self.timeout_s, self.reactor)
         return response.code, response.body
 
     async def _finish(self, instance: str, name: str, code: int, content: bytes) -> Any:

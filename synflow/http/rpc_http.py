@@ -28,9 +28,9 @@ from __future__ import annotations
 from typing import Any, Final, cast
 
 import attrs
-from twisted.internet.defer import Deferred, DeferredList
+from twisted.internet.defer import CancelledError, Deferred, DeferredList
 from twisted.internet.endpoints import TCP4ClientEndpoint
-from twisted.internet.error import ConnectionDone
+from twisted.internet.error import ConnectionDone, TimeoutError
 from twisted.internet.interfaces import ITCPTransport
 from twisted.internet.protocol import Factory, Protocol
 from twisted.python.failure import Failure
@@ -269,6 +269,25 @@ class RpcHttpPool:
                 break  # closed by the server while idle: once more on a new connection
         conn = await self._connect(address)
         return await conn.request(data)
+
+    async def request_within(self, host: str, port: int, data: bytes, timeout_s: float, clock: Any) -> Response:
+        """:meth:`request`, bounded: the whole exchange, body included, within ``timeout_s`` on ``clock``.
+
+        Raises:
+            TimeoutError: no complete answer in time (the connection is dropped).
+            CancelledError: the caller cancelled it before then.
+        """
+        d = Deferred.fromCoroutine(self.request(host, port, data))
+        timer = clock.callLater(timeout_s, d.cancel)
+        try:
+            return await d
+        except CancelledError:
+            if not timer.active():
+                raise TimeoutError(f"no answer within {timeout_s}s") from None
+            raise
+        finally:
+            if timer.active():
+                timer.cancel()
 
     async def _connect(self, address: tuple[str, int]) -> RpcConnection:
         endpoint = TCP4ClientEndpoint(self.reactor, address[0], address[1])

@@ -22,8 +22,7 @@ from urllib.parse import quote, urlencode, urlsplit
 
 from treq.client import HTTPClient
 from twisted.internet import reactor
-from twisted.internet.defer import CancelledError, Deferred, gatherResults
-from twisted.internet.error import TimeoutError
+from twisted.internet.defer import Deferred, gatherResults
 from twisted.web.client import Agent, HTTPConnectionPool
 
 from synflow.http.rpc_http import RpcHttpPool
@@ -64,17 +63,22 @@ def _address(base_url: str) -> tuple[str, int, bytes]:
     return parts.hostname, port, parts.netloc.encode("ascii")
 
 
+def _breaks_a_line(text: bytes) -> bool:
+    """Whether ``text`` holds a space or a control character (it would end a request line's word or a header)."""
+    return any(c <= 0x20 or c == 0x7F for c in text)
+
+
 def _request_bytes(method: str, path: str, authority: bytes, token: str | None, data: bytes | None,
                    headers: dict | None) -> bytes:
     """One whole HTTP/1.1 request; a method, path or header that would break the request line or a header refuses."""
     target = (PREFIX + path).encode("ascii")
-    if not method.isalpha() or any(c <= 0x20 or c == 0x7F for c in target):
+    if not method.isalpha() or _breaks_a_line(target):
         raise ValueError(f"invalid method or path: {method!r} {path!r}")
     head = [method.encode("ascii") + b" " + target + b" HTTP/1.1", b"Host: " + authority,
             b"Content-Type: application/json"]
     if token is not None:
         token_b = token.encode("ascii")
-        if any(c <= 0x20 or c == 0x7F for c in token_b):
+        if _breaks_a_line(token_b):
             raise ValueError("invalid access token")
         head.append(b"Authorization: Bearer " + token_b)
     for name, values in (headers or {}).items():
@@ -118,18 +122,8 @@ class Client:
                       headers: dict | None = None, timeout: float = 60) -> Any:
         host, port, authority = _address(self.base_url)
         data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-        d = Deferred.fromCoroutine(
-            self.pool.calls.request(host, port, _request_bytes(method, path, authority, self.token, data, headers)))
-        timer = reactor.callLater(timeout, d.cancel)  # the whole exchange, body included
-        try:
-            response = await d
-        except CancelledError:
-            if not timer.active():
-                raise TimeoutError(f"no answer within {timeout}s") from None
-            raise
-        finally:
-            if timer.active():
-                timer.cancel()
+        request = _request_bytes(method, path, authority, self.token, data, headers)
+        response = await self.pool.calls.request_within(host, port, request, timeout, reactor)
         content = response.body
         try:
             parsed = json.loads(content) if content else None

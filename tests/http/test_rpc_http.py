@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
 from twisted.internet.protocol import Factory, Protocol
-from twisted.internet.task import deferLater
+from twisted.internet.task import Clock, deferLater
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.client import ResponseFailed
 
@@ -20,6 +20,7 @@ from synflow.http.rpc_http import (
     ResponseParser,
     RpcHttpPool,
 )
+from tests.cluster import wait_until
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 7\r\n\r\n{\"a\":1}"
 CLOSING = b"HTTP/1.1 401 Unauthorized\r\nConnection: close\r\nContent-Length: 2\r\n\r\n{}"
@@ -211,3 +212,35 @@ class PoolOverTcpTest(TestCase):
                 break
             await deferLater(reactor, 0.01, lambda: None)
         self.assertEqual(self.factory.lost, 1)
+
+    async def test_request_within_times_out_and_drops_the_connection(self) -> None:
+        """No answer within the bound: TimeoutError, and the connection is closed."""
+        from twisted.internet.error import TimeoutError
+
+        self.factory.answer = b""
+        clock = Clock()
+        d = Deferred.fromCoroutine(self.pool.request_within(*self.address, request(), 0.2, clock))
+        await wait_until(lambda: self.factory.requests, 5, "the request at the server")
+        clock.advance(0.2)
+        with self.assertRaises(TimeoutError):
+            await d
+        await wait_until(lambda: self.factory.lost == 1, 5, "the connection to close")
+
+    async def test_request_within_answered_in_time(self) -> None:
+        clock = Clock()
+        response = await self.pool.request_within(*self.address, request(), 5.0, clock)
+        self.assertEqual((response.code, response.body), (200, b'{"a":1}'))
+        self.assertEqual(clock.getDelayedCalls(), [])  # the bound's timer is gone
+
+    async def test_request_within_cancelled_by_the_caller_is_no_timeout(self) -> None:
+        """A caller's cancel stays a CancelledError: only the bound's own timer makes a TimeoutError."""
+        from twisted.internet.defer import CancelledError
+
+        self.factory.answer = b""
+        clock = Clock()
+        d = Deferred.fromCoroutine(self.pool.request_within(*self.address, request(), 30.0, clock))
+        await wait_until(lambda: self.factory.requests, 5, "the request at the server")
+        d.cancel()
+        with self.assertRaises(CancelledError):
+            await d
+        self.assertEqual(clock.getDelayedCalls(), [])
