@@ -310,6 +310,18 @@ class ConnectionCore:
 
     def line_received(self, line: bytes | str, now: float) -> list[Action]:
         """One line (without its newline) arrived."""
+        result = self.receive(line, now)
+        return result if type(result) is list else [Deliver(result)]  # type: ignore[arg-type]
+
+    def receive(self, line: bytes | str, now: float) -> AnyCommand | list[Action]:
+        """:meth:`line_received`, with the common outcome unwrapped.
+
+        Returns the command itself when the only thing to do is to deliver it
+        (a stream command on an authenticated connection: the bulk of the
+        traffic), and otherwise the list of actions :meth:`line_received`
+        returns. A transport that handles both saves a ``Deliver`` and a list
+        per row.
+        """
         if self.state is State.CLOSED:
             return []
         if not line or line.isspace():
@@ -329,6 +341,13 @@ class ConnectionCore:
             logger.warning("closing %s: failed to parse line: %s", self._describe(), e)
             return self.close(f"failed to parse line: {e}", now)
         kind = type(cmd)
+        if kind in _STREAM_COMMANDS and self.authenticated:
+            # Either side may send them (SENDERS is BOTH), and there is nothing
+            # for the connection itself to do: count and deliver.
+            counts = self.stats.commands_in
+            name = kind.NAME
+            counts[name] = counts.get(name, 0) + 1
+            return cmd
         if kind not in self._peer_may_send:
             peer = self.side.peer
             logger.warning("closing %s: %s may not be sent by a %s", self._describe(), cmd.NAME, peer.word)
@@ -348,8 +367,6 @@ class ConnectionCore:
         counts = self.stats.commands_in
         name = kind.NAME
         counts[name] = counts.get(name, 0) + 1
-        if kind in _STREAM_COMMANDS:
-            return [Deliver(cmd)]  # the bulk of the traffic: nothing for the connection itself to do
         actions: list[Action] = []
         if isinstance(cmd, PingCommand):
             self.received_ping = True
@@ -389,22 +406,32 @@ class ConnectionCore:
             LocalProtocolError: the command cannot be encoded (too long, a
                 newline); nothing was sent or queued.
         """
+        if self.state is State.ESTABLISHED:
+            return [SendLine(self.send_now(cmd, now))]
         if self.state is State.CLOSED:
             self.stats.dropped_closed += 1
             return []
-        if self.state is State.ESTABLISHED:  # _send_now, inlined: once per line sent
-            data = encode_line_bytes(cmd)
-            self.last_sent = now
-            counts = self.stats.commands_out
-            counts[cmd.NAME] = counts.get(cmd.NAME, 0) + 1
-            return [SendLine(data)]
         return self._enqueue(cmd, now)
 
-    def _send_now(self, cmd: AnyCommand, now: float) -> list[Action]:
+    def send_now(self, cmd: AnyCommand, now: float) -> bytes:
+        """:meth:`send` while the state is ESTABLISHED: the line to write at once.
+
+        A transport that checks the state first writes the bytes itself,
+        without a ``SendLine`` and a list per line; in any other state it
+        calls :meth:`send`.
+
+        Raises:
+            LocalProtocolError: the command cannot be encoded; nothing is counted.
+        """
         data = encode_line_bytes(cmd)
         self.last_sent = now
-        self.stats.commands_out[cmd.NAME] = self.stats.commands_out.get(cmd.NAME, 0) + 1
-        return [SendLine(data)]
+        counts = self.stats.commands_out
+        name = cmd.NAME
+        counts[name] = counts.get(name, 0) + 1
+        return data
+
+    def _send_now(self, cmd: AnyCommand, now: float) -> list[Action]:
+        return [SendLine(self.send_now(cmd, now))]
 
     def _enqueue(self, cmd: AnyCommand, now: float) -> list[Action]:
         if isinstance(cmd, RdataCommand | PositionCommand):

@@ -114,7 +114,15 @@ class ReplicationProtocol(LineOnlyReceiver):
         Raises:
             LocalProtocolError: the command cannot be sent (too long, a newline).
         """
-        self._run(self.core.send(cmd, self.clock.seconds()))
+        core = self.core
+        if core.state is State.ESTABLISHED:  # the common case, without an action list
+            data = core.send_now(cmd, self.clock.seconds())
+            if write_batch.depth:
+                self._gather(data)
+            else:
+                self.transport.write(data + b"\n")
+            return
+        self._run(core.send(cmd, self.clock.seconds()))
 
     def close(self, reason: str) -> None:
         """Send ``ERROR <reason>`` and close."""
@@ -156,7 +164,11 @@ class ReplicationProtocol(LineOnlyReceiver):
             super().dataReceived(data)
 
     def lineReceived(self, line: bytes) -> None:
-        self._run(self.core.line_received(line, self.clock.seconds()))
+        result = self.core.receive(line, self.clock.seconds())
+        if type(result) is list:
+            self._run(result)
+        else:
+            self._deliver(result)  # type: ignore[arg-type]
 
     def lineLengthExceeded(self, line: bytes) -> None:
         self._run(self.core.line_length_exceeded(self.clock.seconds()))
@@ -200,12 +212,7 @@ class ReplicationProtocol(LineOnlyReceiver):
         for action in actions:
             kind = type(action)
             if kind is Deliver:
-                cmd = action.command  # type: ignore[union-attr]
-                try:
-                    self.receiver.on_command(self, cmd)
-                except Exception:
-                    # A handler bug must not take the connection (or the process) down.
-                    logger.exception("error handling %s from %s", cmd.NAME, self.peer_name)
+                self._deliver(action.command)  # type: ignore[union-attr]
             elif kind is SendLine:
                 if write_batch.depth:
                     self._gather(action.data)  # type: ignore[union-attr]
@@ -222,6 +229,13 @@ class ReplicationProtocol(LineOnlyReceiver):
                 self.transport.loseConnection()
                 if self._abort_call is None:
                     self._abort_call = self.clock.callLater(self.close_timeout_s, self._abort)
+
+    def _deliver(self, cmd: AnyCommand) -> None:
+        try:
+            self.receiver.on_command(self, cmd)
+        except Exception:
+            # A handler bug must not take the connection (or the process) down.
+            logger.exception("error handling %s from %s", cmd.NAME, self.peer_name)
 
     def _gather(self, data: bytes) -> None:
         if not self._lines:

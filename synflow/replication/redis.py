@@ -53,7 +53,7 @@ from synflow.replication.commands import (
     ReplicateCommand,
     Side,
 )
-from synflow.replication.core import ConnectionCore, ConnectionOptions, Deliver, SendLine
+from synflow.replication.core import ConnectionCore, ConnectionOptions, Deliver, SendLine, State
 from synflow.replication.interfaces import CommandReceiver
 from synflow.replication.metrics import count_dropped
 
@@ -377,12 +377,20 @@ class RedisTransportService(Service):
         self.messages_received += 1
         now = self.reactor.seconds()
         for line in data.split(b"\n"):
-            for action in self.core.line_received(line, now):
-                if isinstance(action, Deliver) and self.handler is not None:
-                    try:
-                        self.handler.on_command(conn, action.command)
-                    except Exception:
-                        logger.exception("error handling %s from Redis", action.command.NAME)
+            result = self.core.receive(line, now)
+            if type(result) is not list:
+                self._deliver(conn, result)  # type: ignore[arg-type]
+                continue
+            for action in result:
+                if isinstance(action, Deliver):
+                    self._deliver(conn, action.command)
+
+    def _deliver(self, conn: Any, cmd: AnyCommand) -> None:
+        if self.handler is not None:
+            try:
+                self.handler.on_command(conn, cmd)
+            except Exception:
+                logger.exception("error handling %s from Redis", cmd.NAME)
 
     # -- sending -------------------------------------------------------------------------------
 
@@ -401,9 +409,12 @@ class RedisTransportService(Service):
                 self.dropped_commands += 1
                 logger.warning("not connected to Redis: dropped %s (dropped so far: %d)", cmd.NAME, self.dropped_commands)
             return
-        for action in self.core.send(cmd, self.reactor.seconds()):
-            if isinstance(action, SendLine):
-                self._outbox.append(action.data)
+        if self.core.state is State.ESTABLISHED:  # always, on a bus: no action list per line
+            self._outbox.append(self.core.send_now(cmd, self.reactor.seconds()))
+        else:
+            for action in self.core.send(cmd, self.reactor.seconds()):
+                if isinstance(action, SendLine):
+                    self._outbox.append(action.data)
         if self._flush_call is None:
             self._flush_call = self.reactor.callLater(0, self._flush)
 

@@ -25,8 +25,16 @@ from synflow.replication.commands import (
     RemoteServerUpCommand,
     ServerCommand,
     Side,
+    parse_line,
 )
-from synflow.replication.core import ConnectionOptions
+from synflow.replication.core import (
+    Close,
+    ConnectionCore,
+    ConnectionOptions,
+    Deliver,
+    HandshakeDone,
+    State,
+)
 from synflow.testing import PumpTransport, RecordingReceiver, attach, make_protocol, sent_lines
 
 T0 = 1490197665.618
@@ -552,3 +560,67 @@ class AuthTest(SynchronousTestCase):
         from synflow.replication.commands import AuthCommand
 
         self.assertNotIn("s3cret", repr(AuthCommand("s3cret")))
+
+
+class FastPathTest(SynchronousTestCase):
+    """The core's unwrapped paths (``receive``, ``send_now``) decide exactly as ``line_received`` and ``send``."""
+
+    ROW = b'RDATA events persister1 7 ["$e:hs","!r:hs","m.room.message",null,"@u:hs",null]'
+
+    def _core(self, **kw):
+        core = ConnectionCore(Side.SERVER, server_name="example.com", options=ConnectionOptions(**kw))
+        core.connection_made(T0)
+        return core
+
+    def test_stream_command_comes_back_unwrapped_and_counted(self):
+        """An RDATA on an open connection comes back as the command itself, counted; line_received wraps it."""
+        core = self._core()
+        cmd = core.receive(self.ROW, T0)
+        self.assertIs(type(cmd), RdataCommand)
+        self.assertEqual((cmd.stream_name, cmd.instance_name, cmd.token), ("events", "persister1", 7))
+        self.assertEqual(core.stats.commands_in, {"RDATA": 1})
+        self.assertEqual(core.line_received(self.ROW, T0), [Deliver(parse_line(self.ROW))])
+        self.assertEqual(core.stats.commands_in, {"RDATA": 2})
+
+    def test_stream_command_before_auth_still_closes(self):
+        """On a hub with a secret, a row before AUTH closes the connection: the fast path skips no check."""
+        core = self._core(secret="s3cret")
+        actions = core.receive(self.ROW, T0)
+        self.assertIsInstance(actions, list)
+        self.assertTrue(any(isinstance(a, Close) for a in actions), actions)
+        self.assertIs(core.state, State.CLOSED)
+        self.assertEqual(core.stats.commands_in, {})
+
+    def test_connection_commands_still_come_as_actions(self):
+        """A NAME completes the handshake: that needs actions, so it comes back as the list."""
+        core = self._core()
+        actions = core.receive(b"NAME persister1", T0)
+        self.assertEqual(actions, [HandshakeDone("persister1"), Deliver(NameCommand("persister1"))])
+
+    def test_send_now_counts_and_returns_the_line(self):
+        """send_now returns the encoded line, counts it and moves last_sent, as send does."""
+        core = self._core()
+        data = core.send_now(PositionCommand("events", "master", 3, 5), T0 + 2)
+        self.assertEqual(data, b"POSITION events master 3 5")
+        self.assertEqual(core.stats.commands_out["POSITION"], 1)
+        self.assertEqual(core.last_sent, T0 + 2)
+
+    def test_protocol_writes_at_once_when_open_and_queues_when_paused(self):
+        """The protocol's direct write is only taken while the connection is open; paused, commands queue."""
+        proto, transport, _ = _server(_clock())
+        transport.clear()
+        proto.send_command(PositionCommand("events", "master", 3, 5))
+        self.assertEqual(sent_lines(transport), ["POSITION events master 3 5"])
+        transport.clear()
+        proto.pauseProducing()
+        proto.send_command(PositionCommand("events", "master", 5, 6))
+        self.assertEqual(sent_lines(transport), [])
+        self.assertEqual(proto.core.pending_commands, 1)
+        proto.resumeProducing()
+        self.assertEqual(sent_lines(transport), ["POSITION events master 5 6"])
+
+    def test_rows_reach_the_receiver(self):
+        """Rows read off the wire reach the receiver through the unwrapped path."""
+        proto, transport, receiver = _server(_clock())
+        proto.dataReceived(b"NAME persister1\n" + self.ROW + b"\n")
+        self.assertEqual(receiver.received(), [NameCommand("persister1"), parse_line(self.ROW)])
