@@ -10,6 +10,11 @@ end, with the writer held to a window of unapplied rows so nothing is folded.
 Ceiling: the same topology with bare ``LineOnlyReceiver`` processes -- a
 writer sending the very same bytes, a relay forwarding lines, readers
 counting them -- under the same flow control.
+
+Beside them, the three roles' Python alone (:mod:`scripts.benchmarks.inproc`):
+each in one process on transports that drop what is written, against the raw
+roles measured the same way -- steadier than the figures over processes on a
+shared machine, for judging a change to the code on the path.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import time
 from typing import Any
 
 from scripts.benchmarks.common import BenchError, Children, Progress, cpu_seconds
+from scripts.benchmarks.inproc import ROLES
+from scripts.benchmarks.inproc import measure as measure_in_process
 from scripts.benchmarks.profile import from_env
 
 REPL = "scripts.benchmarks.replproc"
@@ -127,6 +134,20 @@ def run(quick: bool, progress: Progress) -> dict[str, Any]:
                 "value": syn_cpu, "ceiling": raw_cpu, "ceiling_label": "raw LineOnlyReceiver", "ratio": raw_cpu / syn_cpu,
             })
             extra[f"readers_{readers}"] = {"synflow": syn, "raw": raw_res}
+    progress("in one process, no system calls: writer, hub and reader against the raw roles")
+    inproc = measure_in_process(quick)
+    extra["in_process_us_per_row"] = inproc
+    syn_total, raw_total = sum(inproc["synflow"].values()), sum(inproc["raw"].values())
+    rows.append({"key": "tcp.inproc", "unit": "µs/RDATA", "value": syn_total, "ceiling": raw_total,
+                 "label": "CPU per RDATA in one process, no system calls (writer + hub + reader); ratio = raw ÷ synflow",
+                 "ceiling_label": "the raw roles, same bytes", "ratio": raw_total / syn_total})
+    for role in ROLES:
+        syn_us, raw_us = inproc["synflow"][role], inproc["raw"][role]
+        rows.append({"key": f"tcp.inproc.{role}", "unit": "µs/RDATA", "value": syn_us, "ceiling": raw_us,
+                     "label": f"CPU per RDATA in one process: the {role}", "ceiling_label": f"the raw {role}",
+                     "ratio": raw_us / syn_us})
+    progress("in one process, µs per row: " + ", ".join(
+        f"{role} {inproc['synflow'][role]:.2f} (raw {inproc['raw'][role]:.2f})" for role in ROLES))
     one, four = (next(r for r in rows if r["key"] == f"tcp.{n}") for n in (1, 4))
     rows.append({"key": "tcp.deliveries4", "label": "RDATA deliveries/s with 4 readers (4 × rows/s)",
                  "unit": "RDATA/s", "value": four["value"] * 4, "ceiling": four["ceiling"] * 4,
