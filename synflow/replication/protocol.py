@@ -198,10 +198,12 @@ class ReplicationProtocol(LineOnlyReceiver):
 
     def resumeProducing(self) -> None:
         now = self.clock.seconds()
-        # Drain in steps: a write that fills the socket buffer pauses us again.
-        self._run(self.core.resume(now, limit=_FLUSH_STEP))
-        while self.core.state is State.ESTABLISHED and self.core.pending_commands:
-            self._run(self.core.flush(now, limit=_FLUSH_STEP))
+        # Drain in steps: a write that fills the socket buffer pauses us again. The lines go out
+        # gathered (one write per _BATCH_BYTES, and the rest when the batch closes), not one by one.
+        with write_batch:
+            self._run(self.core.resume(now, limit=_FLUSH_STEP))
+            while self.core.state is State.ESTABLISHED and self.core.pending_commands:
+                self._run(self.core.flush(now, limit=_FLUSH_STEP))
 
     def stopProducing(self) -> None:
         self._run(self.core.close("transport stopped", self.clock.seconds(), send_error=False))

@@ -35,6 +35,7 @@ from synflow.replication.core import (
     HandshakeDone,
     State,
 )
+from synflow.replication.protocol import _BATCH_BYTES
 from synflow.testing import PumpTransport, RecordingReceiver, attach, make_protocol, sent_lines
 
 T0 = 1490197665.618
@@ -387,10 +388,13 @@ class CongestionTest(SynchronousTestCase):
         self.assertEqual((proto.core.pending_commands, proto.core.pending_bytes), (0, 0))
 
     def test_resume_drains_in_steps(self):
-        """A write that pauses the producer mid-drain stops the drain; the rest waits."""
+        """A drain writes the queued lines gathered, not one by one; a write that pauses the producer
+        stops the drain, every line taken from the queue is written, and the rest waits."""
+        writes = []
 
         class TinyBufferTransport(PumpTransport):
             def write(self, data):
+                writes.append(len(data))
                 super().write(data)
                 if len(self.io.getvalue()) > 200 and self.producer is not None:
                     self.producer.pauseProducing()
@@ -402,12 +406,21 @@ class CongestionTest(SynchronousTestCase):
         proto.makeConnection(transport)
         transport.clear()
         proto.pauseProducing()
-        for i in range(500):
+        for i in range(5000):
             proto.send_command(PositionCommand("events", "master", i, i + 1))
+        writes.clear()
         proto.resumeProducing()
-        written = len(sent_lines(transport))
-        self.assertLess(written, 500)
-        self.assertEqual(proto.core.pending_commands, 500 - written)
+        written = sent_lines(transport)
+        # The first write (at the gathering limit) paused the drain; the lines already taken from the
+        # queue went out in a second write as the batch closed.
+        self.assertEqual(len(writes), 2, writes)
+        self.assertGreaterEqual(writes[0], _BATCH_BYTES)
+        self.assertLess(len(written), 5000)
+        self.assertEqual(proto.core.pending_commands, 5000 - len(written))
+        self.assertEqual(written, [f"POSITION events master {i} {i + 1}" for i in range(len(written))])
+        transport.clear()
+        proto.resumeProducing()  # the transport drained: the rest follows, in order
+        self.assertEqual(sent_lines(transport)[0], f"POSITION events master {len(written)} {len(written) + 1}")
 
 
 class _Endpoint:
