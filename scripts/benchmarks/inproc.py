@@ -15,7 +15,7 @@ that drop what is written, fed the bytes the previous role would have written.
   ``ReplicationHub`` and relayed to the other; ceiling: the raw relay;
 * reader: the same bytes arriving at a worker's ``ReplicationProtocol`` and
   handler, every row decoded and applied; ceiling: the raw reader, which
-  counts lines and reads each token.
+  reads each line's token and acknowledges it (to a counter here).
 
 Each figure is the best of several passes of ``thread_time`` (the least
 disturbed by other load), divided by the rows.
@@ -31,10 +31,10 @@ from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.protocols.basic import LineOnlyReceiver
 
-from scripts.benchmarks.rawproc import _Relay, raw_line
+from scripts.benchmarks.rawproc import _Counter, _Relay, check_same_bytes, raw_line
 from scripts.benchmarks.replproc import SERVER_NAME, WRITER, events_row
 from synflow import registry
-from synflow.replication.commands import PositionCommand, RdataCommand, Side, encode_line_bytes
+from synflow.replication.commands import PositionCommand, Side, encode_line_bytes
 from synflow.replication.core import ConnectionCore
 from synflow.replication.handler import ReplicationHandler
 from synflow.replication.hub import ReplicationHub, ReplicationServerFactory
@@ -91,8 +91,7 @@ def synflow_roles(chunks: int, passes: int) -> dict[str, float]:
 
     out["writer"] = _best(write, chunks, passes)
 
-    lines = [encode_line_bytes(writer_line(i)) for i in range(2, 2 + total)]
-    data = [b"\n".join(lines[k * CHUNK:(k + 1) * CHUNK]) + b"\n" for k in range(chunks * passes)]
+    data = _chunks(chunks * passes)
 
     hub = ReplicationHub(None)
     factory = ReplicationServerFactory(hub, SERVER_NAME, clock)
@@ -116,9 +115,24 @@ def synflow_roles(chunks: int, passes: int) -> dict[str, float]:
     return {role: seconds * 1e6 / (chunks * CHUNK) for role, seconds in out.items()}
 
 
-def writer_line(n: int) -> RdataCommand:
-    """The RDATA synflow's writer sends for fact ``n``."""
-    return RdataCommand("events", WRITER, n, events_row(n).to_wire())
+def _chunks(n: int) -> list[bytes]:
+    """The bytes of ``n`` writer transactions of :data:`CHUNK` rows: synflow's writer's lines, byte for byte."""
+    check_same_bytes()
+    return [b"\n".join(raw_line(i) for i in range(2 + k * CHUNK, 2 + (k + 1) * CHUNK)) + b"\n"
+            for k in range(n)]
+
+
+class _Acks:
+    """Stands for the raw reader's ack reporter: counts the rows it would acknowledge."""
+
+    def __init__(self) -> None:
+        self.rows = 0
+
+    def ready(self) -> None:
+        pass
+
+    def applied(self, rows: int, token: int) -> None:
+        self.rows += rows
 
 
 def raw_roles(chunks: int, passes: int) -> dict[str, float]:
@@ -136,8 +150,7 @@ def raw_roles(chunks: int, passes: int) -> dict[str, float]:
 
     out["writer"] = _best(write, chunks, passes)
 
-    data = [b"\n".join(raw_line(i) for i in range(2 + k * CHUNK, 2 + (k + 1) * CHUNK)) + b"\n"
-            for k in range(chunks * passes)]
+    data = _chunks(chunks * passes)
     factory = Factory.forProtocol(_Relay)
     factory.conns = []  # type: ignore[attr-defined]
     relays = []
@@ -148,21 +161,15 @@ def raw_roles(chunks: int, passes: int) -> dict[str, float]:
         relays.append(relay)
     out["hub"] = _best(lambda k: relays[0].dataReceived(data[k]), chunks, passes)
 
-    counted = [0]
-
-    class Counter(LineOnlyReceiver):
-        delimiter = b"\n"
-
-        def lineReceived(self, line: bytes) -> None:
-            if line.startswith(b"RDATA "):
-                int(line.split(b" ", 4)[3])
-                counted[0] += 1
-
-    counter = Counter()
+    acks = _Acks()
+    counters = Factory.forProtocol(_Counter)
+    counters.acks = acks  # type: ignore[attr-defined]
+    counter = counters.buildProtocol(None)
+    assert counter is not None
     counter.makeConnection(_Dropping())
     out["reader"] = _best(lambda k: counter.dataReceived(data[k]), chunks, passes)
-    if counted[0] != total:
-        raise RuntimeError(f"the in-process raw reader counted {counted[0]} of {total} rows")
+    if acks.rows != total:
+        raise RuntimeError(f"the in-process raw reader counted {acks.rows} of {total} rows")
     return {role: seconds * 1e6 / (chunks * CHUNK) for role, seconds in out.items()}
 
 

@@ -116,11 +116,7 @@ class ReplicationProtocol(LineOnlyReceiver):
         """
         core = self.core
         if core.state is State.ESTABLISHED:  # the common case, without an action list
-            data = core.send_now(cmd, self.clock.seconds())
-            if write_batch.depth:
-                self._gather(data)
-            else:
-                self.transport.write(data + b"\n")
+            self._write_line(core.send_now(cmd, self.clock.seconds()))
             return
         self._run(core.send(cmd, self.clock.seconds()))
 
@@ -216,10 +212,7 @@ class ReplicationProtocol(LineOnlyReceiver):
             if kind is Deliver:
                 self._deliver(action.command)  # type: ignore[union-attr]
             elif kind is SendLine:
-                if write_batch.depth:
-                    self._gather(action.data)  # type: ignore[union-attr]
-                else:
-                    self.transport.write(action.data + b"\n")  # type: ignore[union-attr]
+                self._write_line(action.data)  # type: ignore[union-attr]
             elif isinstance(action, Authenticated):
                 self._announce()
             elif isinstance(action, HandshakeDone):
@@ -238,6 +231,13 @@ class ReplicationProtocol(LineOnlyReceiver):
         except Exception:
             # A handler bug must not take the connection (or the process) down.
             logger.exception("error handling %s from %s", cmd.NAME, self.peer_name)
+
+    def _write_line(self, data: bytes) -> None:
+        """Write one line now, or gather it while a write batch is open."""
+        if write_batch.depth:
+            self._gather(data)
+        else:
+            self.transport.write(data + b"\n")
 
     def _gather(self, data: bytes) -> None:
         if not self._lines:
