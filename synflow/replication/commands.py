@@ -147,8 +147,10 @@ def _slot_setters(cls: type, *names: str) -> tuple[Any, ...]:
     They store a field past the class's frozen ``__setattr__``, as
     ``object.__setattr__(obj, name, value)`` does -- which looks the name up
     on the type and then calls this same descriptor, at about twice the cost.
-    Commands built once per row (parsed, or built to be sent) store their
-    fields through these; the class stays frozen to everyone else.
+    Text commands parsed from a line store their field through these, and
+    RDATA and POSITION the values they cache (the decoded row, the encoded
+    line); the class stays frozen to everyone else. RDATA and POSITION are
+    built faster still, through their writable bases (:class:`_RdataFields`).
     """
     return tuple(cls.__dict__[name].__set__ for name in names)
 
@@ -404,8 +406,21 @@ class ReplicateCommand:
 # -- stream commands -----------------------------------------------------------
 
 
+class _PositionFields:
+    """:class:`PositionCommand`'s slots, writable: a command is filled in as one of these (plain slot
+    stores, which the interpreter specialises) and then becomes the frozen class by assigning
+    ``__class__`` -- the same layout, as :func:`_check_layout` makes sure."""
+
+    __slots__ = ("stream_name", "instance_name", "prev_token", "new_token", "wire", "__weakref__")
+    stream_name: str
+    instance_name: str
+    prev_token: int
+    new_token: int
+    wire: bytes | None
+
+
 @attrs.frozen(init=False)
-class PositionCommand:
+class PositionCommand(_PositionFields):
     """``POSITION <stream> <instance> <prev_token> <new_token>``.
 
     The writer ``instance`` wrote nothing to ``stream`` in ``(prev, new]``. A
@@ -424,7 +439,7 @@ class PositionCommand:
     #: The encoded line, once known (parsed from or encoded to bytes); relays reuse it.
     wire: bytes | None = attrs.field(default=None, init=False, eq=False, repr=False)
 
-    def __init__(self, stream_name: str, instance_name: str, prev_token: int, new_token: int) -> None:
+    def __new__(cls, stream_name: str, instance_name: str, prev_token: int, new_token: int) -> PositionCommand:
         # The field validators, inlined: a writer sends one after every idle tick.
         if not (
             type(stream_name) is str and stream_name and " " not in stream_name and "\n" not in stream_name
@@ -432,14 +447,23 @@ class PositionCommand:
             and "\n" not in instance_name
             and type(prev_token) is int and -0x8000000000000000 <= prev_token <= 0x7FFFFFFFFFFFFFFF
             and type(new_token) is int and -0x8000000000000000 <= new_token <= 0x7FFFFFFFFFFFFFFF
-        ):
-            _store_and_validate(self, stream_name=stream_name, instance_name=instance_name,
+        ) or cls is not PositionCommand:
+            cmd = _new(cls)
+            _store_and_validate(cmd, stream_name=stream_name, instance_name=instance_name,
                                 prev_token=prev_token, new_token=new_token)  # raises, naming the field
-        _position_stream(self, stream_name)
-        _position_instance(self, instance_name)
-        _position_prev(self, prev_token)
-        _position_new(self, new_token)
-        _position_wire(self, None)
+            _position_wire(cmd, None)
+            return cmd
+        fields = _new(_PositionFields)
+        fields.stream_name = stream_name
+        fields.instance_name = instance_name
+        fields.prev_token = prev_token
+        fields.new_token = new_token
+        fields.wire = None
+        fields.__class__ = PositionCommand
+        return fields  # type: ignore[return-value]  # it is one now
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (PositionCommand, (self.stream_name, self.instance_name, self.prev_token, self.new_token))
 
     @classmethod
     def from_args(cls, args: str) -> PositionCommand:
@@ -469,18 +493,17 @@ def _position_from_fields(stream: str, instance: str, prev: str, new: str, wire:
         new_token = _parse_int(new, "POSITION new_token")
         _parse_word(stream, "POSITION stream name")
         _parse_word(instance, "POSITION instance name")
-    cmd = _new(PositionCommand)
-    _position_stream(cmd, stream)
-    _position_instance(cmd, instance)
-    _position_prev(cmd, prev_token)
-    _position_new(cmd, new_token)
-    _position_wire(cmd, wire)
-    return cmd
+    fields = _new(_PositionFields)
+    fields.stream_name = stream
+    fields.instance_name = instance
+    fields.prev_token = prev_token
+    fields.new_token = new_token
+    fields.wire = wire
+    fields.__class__ = PositionCommand
+    return fields  # type: ignore[return-value]  # it is one now
 
 
-_position_stream, _position_instance, _position_prev, _position_new, _position_wire = _slot_setters(
-    PositionCommand, "stream_name", "instance_name", "prev_token", "new_token", "wire"
-)
+(_position_wire,) = _slot_setters(PositionCommand, "wire")
 
 
 def _check_token(instance: object, attribute: attrs.Attribute, value: int | None) -> None:
@@ -494,8 +517,19 @@ def _check_row(instance: object, attribute: attrs.Attribute, value: Any) -> None
         raise LocalProtocolError(f"RDATA row must be a list (a JSON array), got {value!r}")
 
 
+class _RdataFields:
+    """:class:`RdataCommand`'s slots, writable (as :class:`_PositionFields` for POSITION)."""
+
+    __slots__ = ("stream_name", "instance_name", "token", "_row", "wire", "__weakref__")
+    stream_name: str
+    instance_name: str
+    token: int | None
+    _row: list[Any] | str
+    wire: bytes | None
+
+
 @attrs.frozen(init=False, eq=False, repr=False)
-class RdataCommand:
+class RdataCommand(_RdataFields):
     """``RDATA <stream> <instance> <token|batch> <row_json>`` -- one stream row.
 
     Rows that share one stream ID go out as consecutive RDATA, all but the
@@ -522,7 +556,7 @@ class RdataCommand:
     #: The encoded line, once known (parsed from or encoded to bytes); relays reuse it.
     wire: bytes | None = attrs.field(default=None, init=False)
 
-    def __init__(self, stream_name: str, instance_name: str, token: int | None, row: list[Any]) -> None:
+    def __new__(cls, stream_name: str, instance_name: str, token: int | None, row: list[Any]) -> RdataCommand:
         # The field validators, inlined: rows are built once per row written.
         if not (
             type(stream_name) is str and stream_name and " " not in stream_name and "\n" not in stream_name
@@ -530,16 +564,25 @@ class RdataCommand:
             and "\n" not in instance_name
             and (token is None or (type(token) is int and -0x8000000000000000 <= token <= 0x7FFFFFFFFFFFFFFF))
             and isinstance(row, list)
-        ):
-            _store_and_validate(self, stream_name=stream_name, instance_name=instance_name, token=token,
+        ) or cls is not RdataCommand:
+            cmd = _new(cls)
+            _store_and_validate(cmd, stream_name=stream_name, instance_name=instance_name, token=token,
                                 _row=row if isinstance(row, list) else [])  # raises, naming the field
             if not isinstance(row, list):
                 raise LocalProtocolError(f"RDATA row must be a list (a JSON array), got {row!r}")
-        _rdata_stream(self, stream_name)
-        _rdata_instance(self, instance_name)
-        _rdata_token(self, token)
-        _rdata_row(self, row)
-        _rdata_wire(self, None)
+            _rdata_wire(cmd, None)
+            return cmd
+        fields = _new(_RdataFields)
+        fields.stream_name = stream_name
+        fields.instance_name = instance_name
+        fields.token = token
+        fields._row = row
+        fields.wire = None
+        fields.__class__ = RdataCommand
+        return fields  # type: ignore[return-value]  # it is one now
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (RdataCommand, (self.stream_name, self.instance_name, self.token, self.row))
 
     @property
     def row(self) -> list[Any]:
@@ -614,18 +657,28 @@ def _rdata_from_fields(stream: str, instance: str, token: str, row_json: str, de
         number = None
     else:
         number = _parse_int(token, "RDATA token")
-    cmd = _new(RdataCommand)
-    _rdata_stream(cmd, stream)
-    _rdata_instance(cmd, instance)
-    _rdata_token(cmd, number)
-    _rdata_row(cmd, _decode_row(row_json) if decode_rows else row_json)
-    _rdata_wire(cmd, wire)  # a relay sends the bytes received on unchanged
-    return cmd
+    fields = _new(_RdataFields)
+    fields.stream_name = stream
+    fields.instance_name = instance
+    fields.token = number
+    fields._row = _decode_row(row_json) if decode_rows else row_json
+    fields.wire = wire  # a relay sends the bytes received on unchanged
+    fields.__class__ = RdataCommand
+    return fields  # type: ignore[return-value]  # it is one now
 
 
-_rdata_stream, _rdata_instance, _rdata_token, _rdata_row, _rdata_wire = _slot_setters(
-    RdataCommand, "stream_name", "instance_name", "token", "_row", "wire"
-)
+# The row decoded on first read and the line encoded on first send are stored past the frozen class.
+_rdata_row, _rdata_wire = _slot_setters(RdataCommand, "_row", "wire")
+
+
+def _check_layout(frozen: type, fields: type) -> None:
+    """The frozen class adds no slot to its writable base, so an instance may change between them."""
+    if frozen.__dict__.get("__slots__", ()) != () or frozen.__mro__[1] is not fields:
+        raise TypeError(f"{frozen.__name__} must keep the slots of {fields.__name__} and add none")
+
+
+_check_layout(PositionCommand, _PositionFields)
+_check_layout(RdataCommand, _RdataFields)
 
 
 class SyncState(enum.Enum):

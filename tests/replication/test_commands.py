@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import os
+import pickle
 import re
 import string
 
@@ -202,6 +204,34 @@ class FastConstructionTest(SynchronousTestCase):
                 RdataCommand(*args, [])  # type: ignore[arg-type]
         with self.assertRaises(LocalProtocolError):
             RdataCommand("s", "w1", None, ("not", "a", "list"))  # type: ignore[arg-type]
+
+    @given(commands)
+    def test_copies_and_pickles_are_equal_values(self, cmd):
+        """Commands built without running ``__init__`` still copy and pickle as the values they are."""
+        for value in (cmd, parse_line(encode_line_bytes(cmd)), parse_line(encode_line_bytes(cmd), decode_rows=False)):
+            for copied in (copy.copy(value), copy.deepcopy(value), pickle.loads(pickle.dumps(value))):
+                self.assertIs(type(copied), type(cmd))
+                self.assertEqual(copied, cmd)
+                self.assertEqual(encode_line_bytes(copied), encode_line_bytes(cmd))
+
+    def test_subclasses_get_their_own_class(self):
+        """A subclass of RDATA or POSITION is built as itself, through the validators."""
+
+        class Row(RdataCommand):
+            pass
+
+        class Position(PositionCommand):
+            pass
+
+        row = Row("events", "w1", 3, ["x"])
+        position = Position("events", "w1", 1, 2)
+        self.assertIs(type(row), Row)
+        self.assertIs(type(position), Position)
+        self.assertEqual((row.stream_name, row.instance_name, row.token, row.row, row.wire),
+                         ("events", "w1", 3, ["x"], None))
+        self.assertEqual((position.prev_token, position.new_token, position.wire), (1, 2, None))
+        with self.assertRaises(LocalProtocolError):
+            Row("events", "w 1", 3, ["x"])
 
 
 class GoldenLinesTest(SynchronousTestCase):
