@@ -38,6 +38,7 @@ import attrs
 from synflow.errors import LocalProtocolError, RemoteProtocolError
 from synflow.json_encoding import c_chunk_encoder
 from synflow.limits import MAX_LINE_LENGTH
+from synflow.slotted import check_layout
 
 #: The literal RDATA token of every row of a multi-row batch but the last.
 BATCH_TOKEN: Final = "batch"
@@ -407,9 +408,8 @@ class ReplicateCommand:
 
 
 class _PositionFields:
-    """:class:`PositionCommand`'s slots, writable: a command is filled in as one of these (plain slot
-    stores, which the interpreter specialises) and then becomes the frozen class by assigning
-    ``__class__`` -- the same layout, as :func:`_check_layout` makes sure."""
+    """:class:`PositionCommand`'s slots, writable: a command is filled in as one of these and then
+    becomes the frozen class (:mod:`synflow.slotted`)."""
 
     __slots__ = ("stream_name", "instance_name", "prev_token", "new_token", "wire", "__weakref__")
     stream_name: str
@@ -670,15 +670,8 @@ def _rdata_from_fields(stream: str, instance: str, token: str, row_json: str, de
 # The row decoded on first read and the line encoded on first send are stored past the frozen class.
 _rdata_row, _rdata_wire = _slot_setters(RdataCommand, "_row", "wire")
 
-
-def _check_layout(frozen: type, fields: type) -> None:
-    """The frozen class adds no slot to its writable base, so an instance may change between them."""
-    if frozen.__dict__.get("__slots__", ()) != () or frozen.__mro__[1] is not fields:
-        raise TypeError(f"{frozen.__name__} must keep the slots of {fields.__name__} and add none")
-
-
-_check_layout(PositionCommand, _PositionFields)
-_check_layout(RdataCommand, _RdataFields)
+check_layout(PositionCommand, _PositionFields)
+check_layout(RdataCommand, _RdataFields)
 
 
 class SyncState(enum.Enum):

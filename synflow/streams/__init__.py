@@ -32,6 +32,7 @@ from typing import Any, ClassVar, Final, TypeAlias
 import attrs
 
 from synflow.errors import RemoteProtocolError
+from synflow.slotted import check_layout
 
 
 class StreamRowError(RemoteProtocolError):
@@ -51,8 +52,21 @@ def _str(value: Any, what: str, *, optional: bool = False) -> Any:
     return value
 
 
+class _EventsRowFields:
+    """:class:`EventsRow`'s slots, writable: a row read from the wire is filled in as one of these and
+    then becomes an ``EventsRow`` (:mod:`synflow.slotted`)."""
+
+    __slots__ = ("event_id", "room_id", "type", "state_key", "sender", "membership", "__weakref__")
+    event_id: str
+    room_id: str
+    type: str
+    state_key: str | None
+    sender: str
+    membership: str | None
+
+
 @attrs.frozen
-class EventsRow:
+class EventsRow(_EventsRowFields):
     """One persisted event.
 
     Wire: ``[event_id, room_id, type, state_key, sender, membership]``
@@ -77,7 +91,18 @@ class EventsRow:
             if (type(event_id) is str and type(room_id) is str and type(type_) is str and type(sender) is str
                     and (state_key is None or type(state_key) is str)
                     and (membership is None or type(membership) is str)):
-                return cls(event_id, room_id, type_, state_key, sender, membership)  # the common, well-formed row
+                if cls is not EventsRow:
+                    return cls(event_id, room_id, type_, state_key, sender, membership)
+                # the common, well-formed row: every field checked above
+                fields = _new(_EventsRowFields)
+                fields.event_id = event_id
+                fields.room_id = room_id
+                fields.type = type_
+                fields.state_key = state_key
+                fields.sender = sender
+                fields.membership = membership
+                fields.__class__ = EventsRow
+                return fields  # type: ignore[return-value]  # it is one now
         _need(row, 6, "events")
         return cls(
             _str(row[0], "event_id"), _str(row[1], "room_id"), _str(row[2], "type"),
@@ -88,6 +113,10 @@ class EventsRow:
     @property
     def is_membership(self) -> bool:
         return self.type == "m.room.member" and self.state_key is not None
+
+
+check_layout(EventsRow, _EventsRowFields)
+_new = object.__new__
 
 
 @attrs.frozen

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import pickle
 
+import attrs
 from hypothesis import given
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
@@ -20,6 +23,29 @@ class EventsRowTest(SynchronousTestCase):
     def test_round_trip(self, row: EventsRow) -> None:
         """Any events row survives to_wire/from_wire unchanged."""
         self.assertEqual(EventsRow.from_wire(row.to_wire()), row)
+
+    @given(_events)
+    def test_rows_read_from_the_wire_are_ordinary_frozen_values(self, row: EventsRow) -> None:
+        """A row built by from_wire (past attrs's __init__) is an EventsRow that hashes, copies and stays frozen."""
+        read = EventsRow.from_wire(row.to_wire())
+        self.assertIs(type(read), EventsRow)
+        self.assertEqual(hash(read), hash(row))
+        self.assertEqual(attrs.astuple(read), attrs.astuple(row))
+        self.assertEqual(copy.deepcopy(read), row)
+        self.assertEqual(pickle.loads(pickle.dumps(read)), row)
+        for field in attrs.fields(EventsRow):
+            with self.assertRaises(attrs.exceptions.FrozenInstanceError):
+                setattr(read, field.name, None)
+
+    def test_subclass_from_wire_builds_the_subclass(self) -> None:
+        """A row type derived from EventsRow gets instances of itself from from_wire."""
+
+        class Mine(EventsRow):
+            pass
+
+        read = Mine.from_wire(["$e:hs", "!r:hs", "m.room.message", None, "@u:hs", None])
+        self.assertIs(type(read), Mine)
+        self.assertEqual(read.sender, "@u:hs")
 
     def test_malformed_rows_refused(self) -> None:
         """Every malformed events row is refused with a message naming what is wrong."""
