@@ -34,6 +34,9 @@ import attrs
 from synflow.errors import RemoteProtocolError
 from synflow.slotted import check_layout
 
+_new = object.__new__
+_set = object.__setattr__
+
 
 class StreamRowError(RemoteProtocolError):
     """An RDATA row does not have its stream's shape."""
@@ -53,8 +56,8 @@ def _str(value: Any, what: str, *, optional: bool = False) -> Any:
 
 
 class _EventsRowFields:
-    """:class:`EventsRow`'s slots, writable: a row read from the wire is filled in as one of these and
-    then becomes an ``EventsRow`` (:mod:`synflow.slotted`)."""
+    """:class:`EventsRow`'s slots, writable: a row is filled in as one of these and then becomes an
+    ``EventsRow`` (:mod:`synflow.slotted`)."""
 
     __slots__ = ("event_id", "room_id", "type", "state_key", "sender", "membership", "__weakref__")
     event_id: str
@@ -65,7 +68,7 @@ class _EventsRowFields:
     membership: str | None
 
 
-@attrs.frozen
+@attrs.frozen(init=False)
 class EventsRow(_EventsRowFields):
     """One persisted event.
 
@@ -81,6 +84,19 @@ class EventsRow(_EventsRowFields):
     sender: str
     membership: str | None
 
+    def __new__(cls, event_id: str, room_id: str, type: str, state_key: str | None, sender: str,
+                membership: str | None) -> EventsRow:
+        if cls is EventsRow:  # one per event persisted: past attrs's __init__ (see _events_row)
+            return _events_row(event_id, room_id, type, state_key, sender, membership)
+        row = _new(cls)  # a subclass may add a __dict__: another layout
+        for name, value in zip(_EVENTS_FIELDS, (event_id, room_id, type, state_key, sender, membership),
+                               strict=True):
+            _set(row, name, value)
+        return row
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), attrs.astuple(self, recurse=False))
+
     def to_wire(self) -> list[Any]:
         return [self.event_id, self.room_id, self.type, self.state_key, self.sender, self.membership]
 
@@ -91,18 +107,9 @@ class EventsRow(_EventsRowFields):
             if (type(event_id) is str and type(room_id) is str and type(type_) is str and type(sender) is str
                     and (state_key is None or type(state_key) is str)
                     and (membership is None or type(membership) is str)):
-                if cls is not EventsRow:
-                    return cls(event_id, room_id, type_, state_key, sender, membership)
-                # the common, well-formed row: every field checked above
-                fields = _new(_EventsRowFields)
-                fields.event_id = event_id
-                fields.room_id = room_id
-                fields.type = type_
-                fields.state_key = state_key
-                fields.sender = sender
-                fields.membership = membership
-                fields.__class__ = EventsRow
-                return fields  # type: ignore[return-value]  # it is one now
+                if cls is EventsRow:  # the common, well-formed row
+                    return _events_row(event_id, room_id, type_, state_key, sender, membership)
+                return cls(event_id, room_id, type_, state_key, sender, membership)
         _need(row, 6, "events")
         return cls(
             _str(row[0], "event_id"), _str(row[1], "room_id"), _str(row[2], "type"),
@@ -115,8 +122,22 @@ class EventsRow(_EventsRowFields):
         return self.type == "m.room.member" and self.state_key is not None
 
 
+def _events_row(event_id: str, room_id: str, type_: str, state_key: str | None, sender: str,
+                membership: str | None) -> EventsRow:
+    """An ``EventsRow``, filled in as its writable base (:mod:`synflow.slotted`); no field is checked."""
+    fields = _new(_EventsRowFields)
+    fields.event_id = event_id
+    fields.room_id = room_id
+    fields.type = type_
+    fields.state_key = state_key
+    fields.sender = sender
+    fields.membership = membership
+    fields.__class__ = EventsRow
+    return fields  # type: ignore[return-value]  # it is one now
+
+
 check_layout(EventsRow, _EventsRowFields)
-_new = object.__new__
+_EVENTS_FIELDS: Final = tuple(f.name for f in attrs.fields(EventsRow))
 
 
 @attrs.frozen

@@ -25,17 +25,19 @@ class EventsRowTest(SynchronousTestCase):
         self.assertEqual(EventsRow.from_wire(row.to_wire()), row)
 
     @given(_events)
-    def test_rows_read_from_the_wire_are_ordinary_frozen_values(self, row: EventsRow) -> None:
-        """A row built by from_wire (past attrs's __init__) is an EventsRow that hashes, copies and stays frozen."""
+    def test_rows_are_ordinary_frozen_values(self, row: EventsRow) -> None:
+        """Rows built past attrs's __init__ (the constructor, from_wire) hash, copy, evolve and stay frozen."""
         read = EventsRow.from_wire(row.to_wire())
         self.assertIs(type(read), EventsRow)
         self.assertEqual(hash(read), hash(row))
         self.assertEqual(attrs.astuple(read), attrs.astuple(row))
-        self.assertEqual(copy.deepcopy(read), row)
-        self.assertEqual(pickle.loads(pickle.dumps(read)), row)
-        for field in attrs.fields(EventsRow):
-            with self.assertRaises(attrs.exceptions.FrozenInstanceError):
-                setattr(read, field.name, None)
+        for value in (row, read):
+            self.assertEqual(copy.deepcopy(value), row)
+            self.assertEqual(pickle.loads(pickle.dumps(value)), row)
+            self.assertEqual(attrs.evolve(value, sender="@x:hs").sender, "@x:hs")
+            for field in attrs.fields(EventsRow):
+                with self.assertRaises(attrs.exceptions.FrozenInstanceError):
+                    setattr(value, field.name, None)
 
     def test_subclass_from_wire_builds_the_subclass(self) -> None:
         """A row type derived from EventsRow gets instances of itself from from_wire."""
@@ -44,8 +46,13 @@ class EventsRowTest(SynchronousTestCase):
             pass
 
         read = Mine.from_wire(["$e:hs", "!r:hs", "m.room.message", None, "@u:hs", None])
-        self.assertIs(type(read), Mine)
-        self.assertEqual(read.sender, "@u:hs")
+        built = Mine("$e:hs", "!r:hs", "m.room.message", None, "@u:hs", None)
+        for row in (read, built, copy.copy(built), attrs.evolve(built)):
+            self.assertIs(type(row), Mine)
+            self.assertEqual(row, read)
+            self.assertEqual(row.sender, "@u:hs")
+            with self.assertRaises(attrs.exceptions.FrozenInstanceError):
+                row.sender = "@v:hs"  # type: ignore[misc]
 
     def test_malformed_rows_refused(self) -> None:
         """Every malformed events row is refused with a message naming what is wrong."""
