@@ -62,3 +62,26 @@ class BenchHarnessTest(unittest.TestCase):
 
         with open(os.path.join(out, "scaling.png"), "rb") as f:
             self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
+
+
+class MainjobSamplesTest(unittest.SynchronousTestCase):
+    """The main job's busy-cores figure comes from the samples that bound the sends."""
+
+    def test_cores_between_the_bounding_samples(self) -> None:
+        sys.path.insert(0, ROOT)
+        self.addCleanup(sys.path.remove, ROOT)
+        from scripts.benchmarks.mainjob import _Samples
+
+        samples = _Samples({"master": 1})
+        # (time, (busy jiffies, total jiffies) of the machine, CPU seconds of each process)
+        samples.rows = [
+            (0.0, (0.0, 0.0), {"master": 0.0, "driver": 0.0}),
+            (1.0, (50.0, 200.0), {"master": 0.2, "driver": 0.1}),   # before the first send
+            (2.0, (200.0, 400.0), {"master": 0.9, "driver": 0.3}),
+            (3.0, (350.0, 600.0), {"master": 1.6, "driver": 0.5}),  # after the last answer
+            (4.0, (360.0, 800.0), {"master": 1.6, "driver": 0.5}),
+        ]
+        machine, by_process = samples.cores_between(1.5, 2.5, cores=2)
+        self.assertAlmostEqual(machine, 300 / 400 * 2)  # the 1.0 and 3.0 samples, not the idle tail
+        self.assertAlmostEqual(by_process["master"], 0.7)
+        self.assertAlmostEqual(by_process["driver"], 0.2)

@@ -9,7 +9,11 @@ events/s, and the CPU each process of both deployments spent per message
 (``/proc/<pid>/stat`` from the first send until every message has reached
 every sync chain; the set-up before it -- registering the users, creating
 the rooms and joining them across the servers -- is a row of its own, so
-the per-message figure does not depend on the run's length). The validator is not
+the per-message figure does not depend on the run's length), and over the
+same span the load driver's own CPU per message (it shares the cores), the
+machine's busy cores (``/proc/stat``) and the mean send latency the
+throughput allows (Little's law: senders ÷ events/s, each sender waiting on
+its own send): when the cores are all busy, the send latency is that. The validator is not
 run (the demo does). The targets are absolute (issue "fast by default"); the
 CPU row's ceiling is the persist benchmark's shape: the CPU per event of the
 processes that persist.
@@ -25,7 +29,7 @@ import tempfile
 import time
 from typing import Any
 
-from scripts.benchmarks.common import Progress, cpu_seconds
+from scripts.benchmarks.common import Progress, cpu_seconds, machine_cpu
 from scripts.benchmarks.profile import from_env
 
 TARGETS = [
@@ -47,6 +51,37 @@ def _pids(directory: str) -> dict[str, int]:
             with open(os.path.join(run, name), encoding="ascii") as f:
                 pids[name[:-4]] = int(f.read().strip())
     return pids
+
+
+class _Samples:
+    """The machine's and each process's CPU, every 0.1 s, to tell how busy the cores were while the senders sent."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        from twisted.internet.task import LoopingCall
+
+        self.pids = {**pids, "driver": os.getpid()}
+        self.rows: list[tuple[float, tuple[float, float], dict[str, float]]] = []
+        self.loop = LoopingCall(self.sample)
+
+    def sample(self) -> None:
+        self.rows.append((time.monotonic(), machine_cpu(), {n: cpu_seconds(p) for n, p in self.pids.items()}))
+
+    def start(self) -> None:
+        self.loop.start(0.1)
+
+    def stop(self) -> None:
+        if self.loop.running:
+            self.loop.stop()
+        self.sample()
+
+    def cores_between(self, start: float, end: float, cores: int) -> tuple[float, dict[str, float]]:
+        """Busy cores of the whole machine, and of each process, over the samples that bound ``[start, end]``."""
+        first = max((r for r in self.rows if r[0] <= start), key=lambda r: r[0], default=self.rows[0])
+        last = min((r for r in self.rows if r[0] >= end), key=lambda r: r[0], default=self.rows[-1])
+        wall = last[0] - first[0]
+        jiffies = last[1][1] - first[1][1]
+        machine = (last[1][0] - first[1][0]) / jiffies * cores if jiffies else 0.0
+        return machine, {n: (last[2][n] - first[2][n]) / wall if wall else 0.0 for n in self.pids}
 
 
 def _ctl(directory: str, command: str) -> int:
@@ -78,6 +113,9 @@ def run(quick: bool, progress: Progress) -> dict[str, Any]:
                     for name, pid in _pids(directory).items()}
             cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
             cpu_at_send: dict[str, float] = {}
+            # This process drives the traffic (the senders and every sync chain) on the same cores.
+            driver_at_send: list[float] = []
+            samples = _Samples(pids)
             profiler = from_env()
             progress(f"sending {args.messages} messages with {args.concurrency} concurrent senders")
             result: dict[str, Any] = {}
@@ -88,6 +126,8 @@ def run(quick: bool, progress: Progress) -> dict[str, Any]:
                 demo_step(msg)
                 if msg.startswith("sending"):  # the CPU figure and the profiles cover the messages, not the set-up
                     cpu_at_send.update({name: cpu_seconds(pid) for name, pid in pids.items()})
+                    driver_at_send.append(cpu_seconds(os.getpid()))
+                    samples.start()
                     for name, pid in pids.items():
                         profiler.attach("mainjob-" + name.replace("/", "-"), pid, 2 if quick else 10)
 
@@ -105,6 +145,8 @@ def run(quick: bool, progress: Progress) -> dict[str, Any]:
                 raise RuntimeError(result["error"].getTraceback())
             report = result["workload"].verify()
             cpu_end = {name: cpu_seconds(pid) for name, pid in pids.items()}
+            driver_cpu = cpu_seconds(os.getpid()) - driver_at_send[0]
+            samples.stop()
             setup_cpu = sum(cpu_at_send[name] - cpu_before[name] for name in pids)
             cpu = {name: cpu_end[name] - cpu_at_send[name] for name in pids}
             traffic_s = time.monotonic() - t0
@@ -118,6 +160,13 @@ def run(quick: bool, progress: Progress) -> dict[str, Any]:
     per_message = {name: used * 1000 / report.sent for name, used in sorted(cpu.items())}
     persisting = sum(v for k, v in per_message.items() if k.split("/")[1].startswith(("master", "persister")))
     total_cpu = sum(per_message.values())
+    driver_ms = driver_cpu * 1000 / report.sent
+    # From the first send to the last answer: the machine's busy cores, and each process's.
+    log = result["workload"].send_log
+    cores = os.cpu_count() or 1
+    cores_busy, by_process = samples.cores_between(min(t for t, _ in log), max(t + ms / 1000 for t, ms in log), cores)
+    # Little's law: with every sender waiting on its own send, the mean send takes senders ÷ throughput.
+    little_ms = args.concurrency / report.events_per_s * 1000 if report.events_per_s else None
     rows = [
         {"key": "mainjob.send_p50", "label": "main job: send latency p50", "unit": "ms", "value": send["p50"]},
         {"key": "mainjob.send_p99", "label": "main job: send latency p99", "unit": "ms", "value": send["p99"]},
@@ -130,12 +179,22 @@ def run(quick: bool, progress: Progress) -> dict[str, Any]:
         {"key": "mainjob.cpu", "label": "main job: CPU per message, every process of both deployments",
          "unit": "ms/event", "value": total_cpu, "ceiling": persisting,
          "ceiling_label": "of which masters and persisters", "ratio": total_cpu / persisting if persisting else None},
+        {"key": "mainjob.driver_cpu",
+         "label": "main job: CPU per message, the load driver (the senders and every sync chain, same cores)",
+         "unit": "ms/event", "value": driver_ms},
+        {"key": "mainjob.cores_busy", "label": "main job: cores busy while the senders send, whole machine",
+         "unit": "cores", "value": cores_busy, "ceiling": cores, "ceiling_label": "cores", "ratio": cores_busy / cores},
+        {"key": "mainjob.little", "unit": "ms", "value": little_ms,
+         "label": f"main job: mean send latency the throughput allows ({args.concurrency} senders ÷ events/s)"},
         {"key": "mainjob.setup_cpu",
          "label": f"main job: CPU of the set-up ({args.users} users, {args.rooms} shared rooms), every process",
          "unit": "s", "value": setup_cpu},
     ]
     progress(f"send p50/p99 {send['p50']:.1f}/{send['p99']:.1f} ms, visible p50/p99 {visible['p50']:.1f}/"
-             f"{visible['p99']:.1f} ms, {report.events_per_s:,.0f} events/s, {total_cpu:.2f} ms CPU/message")
+             f"{visible['p99']:.1f} ms, {report.events_per_s:,.0f} events/s, {total_cpu:.2f} ms CPU/message "
+             f"(+ {driver_ms:.2f} the driver), {cores_busy:.2f} of {cores} cores busy")
     return {"rows": rows, "targets": TARGETS,
-            "extra": {"cpu_ms_per_message": per_message, "setup_cpu_s": setup_cpu, "traffic_s": traffic_s,
+            "extra": {"cpu_ms_per_message": per_message, "driver_cpu_ms_per_message": driver_ms,
+                      "cores_while_sending": by_process,
+                      "cores_busy": cores_busy, "setup_cpu_s": setup_cpu, "traffic_s": traffic_s,
                       "sent": report.sent}}
