@@ -463,7 +463,7 @@ class PositionCommand(_PositionFields):
         return fields  # type: ignore[return-value]  # it is one now
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (PositionCommand, (self.stream_name, self.instance_name, self.prev_token, self.new_token))
+        return (type(self), (self.stream_name, self.instance_name, self.prev_token, self.new_token))
 
     @classmethod
     def from_args(cls, args: str) -> PositionCommand:
@@ -582,7 +582,7 @@ class RdataCommand(_RdataFields):
         return fields  # type: ignore[return-value]  # it is one now
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (RdataCommand, (self.stream_name, self.instance_name, self.token, self.row))
+        return (type(self), (self.stream_name, self.instance_name, self.token, self.row))
 
     @property
     def row(self) -> list[Any]:

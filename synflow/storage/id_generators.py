@@ -421,10 +421,10 @@ class StreamWriteContext:
         event_id: str | None = None,
     ) -> None:
         """The rows (sharing ``stream_id``) to announce once the fact is visible."""
-        payload = self.payloads[stream][stream_id]
-        self.payloads[stream][stream_id] = attrs.evolve(
-            payload, rows=payload.rows + tuple(rows), room_id=room_id, event_id=event_id
-        )
+        payloads = self.payloads[stream]
+        payload = payloads[stream_id]
+        # Built directly, not through attrs.evolve (about twice the cost): once per fact, under the write lock.
+        payloads[stream_id] = FactPayload(payload.rows + tuple(rows), payload.reserved_at, room_id, event_id)
 
 
 def insert_stream_rows_txn(ctx: StreamWriteContext, stream: StreamDef, instance_name: str,

@@ -230,6 +230,8 @@ class FastConstructionTest(SynchronousTestCase):
         self.assertEqual((row.stream_name, row.instance_name, row.token, row.row, row.wire),
                          ("events", "w1", 3, ["x"], None))
         self.assertEqual((position.prev_token, position.new_token, position.wire), (1, 2, None))
+        self.assertIs(type(copy.copy(row)), Row)
+        self.assertIs(type(copy.copy(position)), Position)
         with self.assertRaises(LocalProtocolError):
             Row("events", "w 1", 3, ["x"])
 
