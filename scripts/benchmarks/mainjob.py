@@ -9,12 +9,14 @@ events/s, and the CPU each process of both deployments spent per message
 (``/proc/<pid>/stat`` from the first send until every message has reached
 every sync chain; the set-up before it -- registering the users, creating
 the rooms and joining them across the servers -- is a row of its own, so
-the per-message figure does not depend on the run's length), and over the
-same span the load driver's own CPU per message (it shares the cores), the
-machine's busy cores (``/proc/stat``) and the mean send latency the
-throughput allows (Little's law: senders ÷ events/s, each sender waiting on
-its own send): when the cores are all busy, the send latency is that. The validator is not
-run (the demo does). The targets are absolute (issue "fast by default"); the
+the per-message figure does not depend on the run's length). Beside them:
+the load driver's own CPU per message over the same span (this process: the
+senders and every sync chain, on the same cores); the busy cores of the
+whole machine from the first send to the last answer (``/proc/stat``
+sampled every 0.1 s; each process's share is in ``bench.json``); and the
+mean send latency the throughput allows (Little's law: senders ÷ events/s,
+each sender waiting on its own send) -- when the cores are all busy, the
+send latency is that queueing. The validator is not run (the demo does). The targets are absolute (issue "fast by default"); the
 CPU row's ceiling is the persist benchmark's shape: the CPU per event of the
 processes that persist.
 """
