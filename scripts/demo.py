@@ -288,6 +288,10 @@ def write_report(out: str, args: argparse.Namespace, report, traffic_s: float, h
         f"| messages sent | {report.sent} (send errors: {report.send_errors}) |",
         f"| throughput (offered by {args.concurrency} concurrent clients) | {report.events_per_s:,.0f} events/s |",
         f"| send latency p50 / p95 / p99 | {send['p50']:.1f} / {send['p95']:.1f} / {send['p99']:.1f} ms |",
+        # Each client waits for its send before the next: the mean send is clients ÷ throughput (Little's law),
+        # so with the cores busy the latency is the queue the throughput makes (docs/benchmarks.md, mainjob).
+        f"| mean send latency the throughput allows ({args.concurrency} clients ÷ events/s) | "
+        f"{args.concurrency / report.events_per_s * 1000 if report.events_per_s else float('nan'):.1f} ms |",
         f"| send -> visible in sync p50 / p95 / p99 | {lat['p50']:.1f} / {lat['p95']:.1f} / {lat['p99']:.1f} ms |",
         f"| federation delivered / expected | {report.federated_delivered} / {report.federated_expected} |",
         f"| lost / duplicated / out of order / foreign | {report.lost} / {report.duplicated} / "

@@ -47,6 +47,7 @@ class WriteReportTest(SynchronousTestCase):
         self.assertTrue(data["ok"])
         self.assertIn("**Verdict: OK - nothing lost, no anomalies**", text)
         self.assertIn("| 150 events/s |", text)
+        self.assertIn("| mean send latency the throughput allows (24 clients ÷ events/s) | 160.0 ms |", text)
         self.assertIn("send -> visible in sync p50 / p95 / p99 | 50.5 / 95.0 / 99.0 ms |", text)
         self.assertIn("| federation delivered / expected | 120 / 120 |", text)
         self.assertIn("| cache hit rate (localhost) | 42.0% (42 hits, 58 misses) |", text)
