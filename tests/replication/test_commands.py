@@ -214,6 +214,28 @@ class FastConstructionTest(SynchronousTestCase):
                 self.assertEqual(copied, cmd)
                 self.assertEqual(encode_line_bytes(copied), encode_line_bytes(cmd))
 
+    def test_layout_check_refuses_a_frozen_class_with_slots_of_its_own(self):
+        """The import-time check that lets a value change class fails for a class that adds a slot."""
+        from synflow.slotted import check_layout
+
+        class Fields:
+            __slots__ = ("a", "__weakref__")
+
+        @attrs.frozen
+        class Same(Fields):
+            a: int
+
+        @attrs.frozen
+        class More(Fields):
+            a: int
+            b: int
+
+        check_layout(Same, Fields)
+        with self.assertRaises(TypeError):
+            check_layout(More, Fields)
+        with self.assertRaises(TypeError):
+            check_layout(Same, object)
+
     def test_subclasses_get_their_own_class(self):
         """A subclass of RDATA or POSITION is built as itself, through the validators."""
 
