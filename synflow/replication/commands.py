@@ -448,19 +448,9 @@ class PositionCommand(_PositionFields):
             and type(prev_token) is int and -0x8000000000000000 <= prev_token <= 0x7FFFFFFFFFFFFFFF
             and type(new_token) is int and -0x8000000000000000 <= new_token <= 0x7FFFFFFFFFFFFFFF
         ) or cls is not PositionCommand:
-            cmd = _new(cls)
-            _store_and_validate(cmd, stream_name=stream_name, instance_name=instance_name,
-                                prev_token=prev_token, new_token=new_token)  # raises, naming the field
-            _position_wire(cmd, None)
-            return cmd
-        fields = _new(_PositionFields)
-        fields.stream_name = stream_name
-        fields.instance_name = instance_name
-        fields.prev_token = prev_token
-        fields.new_token = new_token
-        fields.wire = None
-        fields.__class__ = PositionCommand
-        return fields  # type: ignore[return-value]  # it is one now
+            return _validated(cls, stream_name=stream_name, instance_name=instance_name,  # raises, naming the field
+                              prev_token=prev_token, new_token=new_token)
+        return _position(stream_name, instance_name, prev_token, new_token, None)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.stream_name, self.instance_name, self.prev_token, self.new_token))
@@ -493,6 +483,11 @@ def _position_from_fields(stream: str, instance: str, prev: str, new: str, wire:
         new_token = _parse_int(new, "POSITION new_token")
         _parse_word(stream, "POSITION stream name")
         _parse_word(instance, "POSITION instance name")
+    return _position(stream, instance, prev_token, new_token, wire)
+
+
+def _position(stream: str, instance: str, prev_token: int, new_token: int, wire: bytes | None) -> PositionCommand:
+    """A POSITION from fields already checked, filled in as its writable base (:mod:`synflow.slotted`)."""
     fields = _new(_PositionFields)
     fields.stream_name = stream
     fields.instance_name = instance
@@ -501,6 +496,18 @@ def _position_from_fields(stream: str, instance: str, prev: str, new: str, wire:
     fields.wire = wire
     fields.__class__ = PositionCommand
     return fields  # type: ignore[return-value]  # it is one now
+
+
+def _validated(cls: type[Any], **fields: Any) -> Any:
+    """A stream command of ``cls`` (or a subclass) stored through every field validator; its ``wire`` unset.
+
+    Raises:
+        LocalProtocolError: a field is invalid (the validator's message names it).
+    """
+    cmd = _new(cls)
+    _store_and_validate(cmd, **fields)
+    _set(cmd, "wire", None)
+    return cmd
 
 
 (_position_wire,) = _slot_setters(PositionCommand, "wire")
@@ -565,21 +572,12 @@ class RdataCommand(_RdataFields):
             and (token is None or (type(token) is int and -0x8000000000000000 <= token <= 0x7FFFFFFFFFFFFFFF))
             and isinstance(row, list)
         ) or cls is not RdataCommand:
-            cmd = _new(cls)
-            _store_and_validate(cmd, stream_name=stream_name, instance_name=instance_name, token=token,
-                                _row=row if isinstance(row, list) else [])  # raises, naming the field
+            cmd = _validated(cls, stream_name=stream_name, instance_name=instance_name, token=token,
+                             _row=row if isinstance(row, list) else [])  # raises, naming the field
             if not isinstance(row, list):
                 raise LocalProtocolError(f"RDATA row must be a list (a JSON array), got {row!r}")
-            _rdata_wire(cmd, None)
             return cmd
-        fields = _new(_RdataFields)
-        fields.stream_name = stream_name
-        fields.instance_name = instance_name
-        fields.token = token
-        fields._row = row
-        fields.wire = None
-        fields.__class__ = RdataCommand
-        return fields  # type: ignore[return-value]  # it is one now
+        return _rdata(stream_name, instance_name, token, row, None)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.stream_name, self.instance_name, self.token, self.row))
@@ -657,12 +655,18 @@ def _rdata_from_fields(stream: str, instance: str, token: str, row_json: str, de
         number = None
     else:
         number = _parse_int(token, "RDATA token")
+    # a relay sends the bytes received on unchanged (wire)
+    return _rdata(stream, instance, number, _decode_row(row_json) if decode_rows else row_json, wire)
+
+
+def _rdata(stream: str, instance: str, token: int | None, row: list[Any] | str, wire: bytes | None) -> RdataCommand:
+    """An RDATA from fields already checked, filled in as its writable base (:mod:`synflow.slotted`)."""
     fields = _new(_RdataFields)
     fields.stream_name = stream
     fields.instance_name = instance
-    fields.token = number
-    fields._row = _decode_row(row_json) if decode_rows else row_json
-    fields.wire = wire  # a relay sends the bytes received on unchanged
+    fields.token = token
+    fields._row = row
+    fields.wire = wire
     fields.__class__ = RdataCommand
     return fields  # type: ignore[return-value]  # it is one now
 
