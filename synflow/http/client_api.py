@@ -53,7 +53,7 @@ from synflow.events.auth import JOIN_RULES, POWER_LEVELS, JoinRule, PowerLevels
 from synflow.events.persist import CREATE, MEMBER, EventSpec, PersistResult
 from synflow.events.sync import SyncHandler
 from synflow.http.ratelimit import TokenBucket
-from synflow.http.server import JsonResource, bearer_token, int_arg, query_arg
+from synflow.http.server import EncodedJson, JsonResource, bearer_token, int_arg, query_arg
 from synflow.json_encoding import compact_json
 from synflow.storage.stores import DataStore, Requester
 from synflow.tokens import StreamToken
@@ -282,8 +282,11 @@ class ClientApi(JsonResource):
         # Per access token (a user's device): every sync chain of a client has its own bucket.
         self._rate_limit(f"sync:{requester.user_id}/{requester.device_id}", request, self.sync_rate)
         result = await self.sync_handler.sync(requester.user_id, reader, since, timeout, limit)
-        return 200, {
-            "next_batch": result.next_batch,
-            "events": [e.to_client() for e in result.events],
-            "limited": result.limited,
-        }
+        # {"next_batch", "events": [each event's to_client()], "limited"}, as encode_json would
+        # encode it, from each event's client JSON (built once per event, shared by the syncs
+        # that deliver it).
+        return 200, EncodedJson(
+            f'{{"next_batch":{compact_json(result.next_batch)},'
+            f'"events":[{",".join([e.client_json() for e in result.events])}],'
+            f'"limited":{"true" if result.limited else "false"}}}'
+        )

@@ -292,11 +292,24 @@ def encode_json(value: Any) -> bytes:
     return _encode_strict(value).encode("ascii")
 
 
+class EncodedJson:
+    """A response body a handler has already encoded as JSON text: :func:`respond_json` sends it as it is.
+
+    For responses assembled from pieces that are encoded once and sent many
+    times (sync's events).
+    """
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
 def respond_json(request: Request, code: int, body: Any) -> None:
     """Write a JSON response and finish the request (if still open)."""
     if request.finished or getattr(request, "_disconnected", False):
         return
-    data = encode_json(body)
+    data = body.text.encode("utf-8") if type(body) is EncodedJson else encode_json(body)
     request.setResponseCode(code)
     request.setHeader(b"Content-Type", b"application/json")
     request.setHeader(b"Content-Length", str(len(data)).encode())

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import json.encoder
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -37,6 +38,15 @@ class Requester:
 
 @attrs.frozen
 class SyncEvent:
+    """An event as sync hands it to a client.
+
+    ``content_json`` is the content as stored (compact ASCII JSON: persist
+    writes it with :func:`~synflow.json_encoding.compact_json`). Sync never
+    parses it: :meth:`client_json` splices it into the event's client JSON,
+    which is built once per event and kept, since the syncs that share a
+    window deliver the same event objects.
+    """
+
     stream_ordering: int
     instance_name: str
     event_id: str
@@ -44,10 +54,18 @@ class SyncEvent:
     type: str
     state_key: str | None
     sender: str
-    content: dict[str, Any]
+    content_json: str
     origin_server_ts: int
+    _client_json: str | None = attrs.field(default=None, init=False, eq=False, repr=False)
+
+    @property
+    def content(self) -> dict[str, Any]:
+        """The content, parsed."""
+        content: dict[str, Any] = json.loads(self.content_json)
+        return content
 
     def to_client(self) -> dict[str, Any]:
+        """The event as a client sees it (the value :meth:`client_json` encodes)."""
         event: dict[str, Any] = {
             "event_id": self.event_id, "room_id": self.room_id, "type": self.type, "sender": self.sender,
             "content": self.content, "origin_server_ts": self.origin_server_ts,
@@ -55,6 +73,23 @@ class SyncEvent:
         if self.state_key is not None:
             event["state_key"] = self.state_key
         return event
+
+    def client_json(self) -> str:
+        """:meth:`to_client` as compact ASCII JSON, the text ``encode_json`` gives for it, without parsing the content."""
+        text = self._client_json
+        if text is None:
+            text = (f'{{"event_id":{_quote(self.event_id)},"room_id":{_quote(self.room_id)},'
+                    f'"type":{_quote(self.type)},"sender":{_quote(self.sender)},"content":{self.content_json},'
+                    f'"origin_server_ts":{int(self.origin_server_ts)}')
+            if self.state_key is not None:
+                text += f',"state_key":{_quote(self.state_key)}'
+            text += "}"
+            object.__setattr__(self, "_client_json", text)
+        return text
+
+
+#: A string as a quoted JSON string, ASCII only (as ``json.dumps`` quotes it).
+_quote = json.encoder.encode_basestring_ascii
 
 
 class DataStore:
@@ -221,6 +256,6 @@ class DataStore:
             (*(rooms or ()), *args, limit),
         )
         return [
-            SyncEvent(int(r[0]), r[1], r[2], r[3], r[4], r[5], r[6], json.loads(r[7]), int(r[8]))
+            SyncEvent(int(r[0]), r[1], r[2], r[3], r[4], r[5], r[6], r[7], int(r[8]))
             for r in txn.fetchall()
         ]

@@ -66,6 +66,21 @@ class ClientApiTest(_ApiTestBase):
         self.assertFalse(result["limited"])
 
     @_as_deferred
+    async def test_sync_returns_content_as_sent(self):
+        """Sync splices each event's stored content text into its response: any content comes back equal, the
+        room's state events with their state keys."""
+        alice = await self.client().register("alice")
+        room = await alice.create_room()
+        content = {"body": 'caf\u00e9 "quoted" \\ \u2028 \U0001f600 \x01', "n": [1, -2.5, None, True, {"k": []}]}
+        sent = await alice.send(room, content, "t-unicode")
+        result = await alice.sync()
+        by_id = {e["event_id"]: e for e in result["events"]}
+        self.assertEqual(by_id[sent["event_id"]]["content"], content)
+        self.assertNotIn("state_key", by_id[sent["event_id"]])
+        self.assertIn("", [e.get("state_key") for e in result["events"] if e["type"] == "m.room.create"])
+        self.assertTrue(all(isinstance(e["origin_server_ts"], int) for e in result["events"]))
+
+    @_as_deferred
     async def test_send_is_idempotent(self):
         """Sending twice with one txn_id returns the same event and persists it once."""
         alice = await self.client().register("alice")

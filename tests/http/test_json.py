@@ -15,7 +15,9 @@ from twisted.web.resource import Resource
 from twisted.web.test.requesthelper import DummyChannel
 
 from synflow.errors import HttpApiError
-from synflow.http.server import JsonSite, LimitedRequest, encode_json, parse_json_body
+from synflow.http.server import EncodedJson, JsonSite, LimitedRequest, encode_json, parse_json_body, respond_json
+from synflow.json_encoding import compact_json
+from synflow.storage.stores import SyncEvent
 
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
@@ -78,3 +80,40 @@ class NoFormParsingTest(SynchronousTestCase):
             self.assertEqual((processed, request.args), ([True], {b"q": [b"1"]}), ctype)
             assert request.content is not None
             self.assertEqual(request.content.read(), b"a=b&c=d")
+
+
+SYNC_EVENTS = st.builds(
+    lambda so, inst, eid, room, typ, sk, sender, content, ts: SyncEvent(
+        so, inst, eid, room, typ, sk, sender, compact_json(content), ts),
+    st.integers(1, 2**63 - 1), st.text(min_size=1), st.text(), st.text(), st.text(), st.none() | st.text(),
+    st.text(), st.dictionaries(st.text(), JSON_VALUES, max_size=5), st.integers(0, 2**53),
+)
+
+
+class SyncEventJsonTest(SynchronousTestCase):
+    @given(SYNC_EVENTS)
+    def test_client_json_is_the_encoded_client_event(self, event: SyncEvent) -> None:
+        """An event's client JSON, built from its stored content text without parsing it, is exactly the text
+        ``encode_json`` gives for its client form (any strings: quotes, control characters, non-ASCII)."""
+        self.assertEqual(event.client_json(), encode_json(event.to_client()).decode("ascii"))
+        self.assertEqual(json.loads(event.client_json()), event.to_client())
+
+    def test_client_json_built_once(self) -> None:
+        """The client JSON is built once and kept: the syncs sharing a window deliver the same event object."""
+        event = SyncEvent(1, "p1", "$e", "!r", "m.room.message", None, "@a:x", '{"body":"hi"}', 5)
+        first = event.client_json()
+        self.assertIs(event.client_json(), first)
+        self.assertEqual(event, SyncEvent(1, "p1", "$e", "!r", "m.room.message", None, "@a:x", '{"body":"hi"}', 5))
+        self.assertEqual(event.content, {"body": "hi"})
+
+    def test_respond_json_sends_encoded_text_as_it_is(self) -> None:
+        """A handler's already-encoded body goes out byte for byte, with its length."""
+        from twisted.web.test.requesthelper import DummyRequest
+
+        request = DummyRequest([b"sync"])
+        text = '{"events":[{"body":"caf\\u00e9 \\"x\\""}],"limited":false}'
+        respond_json(request, 200, EncodedJson(text))
+        self.assertEqual(b"".join(request.written), text.encode("ascii"))
+        self.assertEqual(request.responseHeaders.getRawHeaders(b"Content-Length"), [str(len(text)).encode()])
+        self.assertEqual(request.responseCode, 200)
+        self.assertEqual(request.finished, 1)
