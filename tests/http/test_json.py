@@ -12,10 +12,17 @@ from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web import http
 from twisted.web.resource import Resource
-from twisted.web.test.requesthelper import DummyChannel
+from twisted.web.test.requesthelper import DummyChannel, DummyRequest
 
 from synflow.errors import HttpApiError
-from synflow.http.server import EncodedJson, JsonSite, LimitedRequest, encode_json, parse_json_body, respond_json
+from synflow.http.server import (
+    EncodedJson,
+    JsonSite,
+    LimitedRequest,
+    encode_json,
+    parse_json_body,
+    respond_json,
+)
 from synflow.json_encoding import compact_json
 from synflow.storage.stores import SyncEvent
 
@@ -108,8 +115,6 @@ class SyncEventJsonTest(SynchronousTestCase):
 
     def test_respond_json_sends_encoded_text_as_it_is(self) -> None:
         """A handler's already-encoded body goes out byte for byte, with its length."""
-        from twisted.web.test.requesthelper import DummyRequest
-
         request = DummyRequest([b"sync"])
         text = '{"events":[{"body":"caf\\u00e9 \\"x\\""}],"limited":false}'
         respond_json(request, 200, EncodedJson(text))
