@@ -49,5 +49,8 @@ def compact_encoder(*, ensure_ascii: bool = True, allow_nan: bool = True) -> Cal
 
 #: ``json.dumps(value, separators=(",", ":"))``.
 compact_json: Callable[[Any], str] = compact_encoder()
+#: ``compact_json(text)`` for a ``str`` (the text as a quoted JSON string, ASCII only), through the
+#: encoder's own string quoting alone: for JSON assembled from pieces (sync responses).
+json_string: Callable[[str], str] = json.encoder.encode_basestring_ascii
 #: The same with non-ASCII characters as themselves (``ensure_ascii=False``).
 compact_json_unicode: Callable[[Any], str] = compact_encoder(ensure_ascii=False)

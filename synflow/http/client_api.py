@@ -54,7 +54,7 @@ from synflow.events.persist import CREATE, MEMBER, EventSpec, PersistResult
 from synflow.events.sync import SyncHandler
 from synflow.http.ratelimit import TokenBucket
 from synflow.http.server import EncodedJson, JsonResource, bearer_token, int_arg, query_arg
-from synflow.json_encoding import compact_json
+from synflow.json_encoding import compact_json, json_string
 from synflow.storage.stores import DataStore, Requester
 from synflow.tokens import StreamToken
 
@@ -286,7 +286,7 @@ class ClientApi(JsonResource):
         # encode it, from each event's client JSON (built once per event, shared by the syncs
         # that deliver it).
         return 200, EncodedJson(
-            f'{{"next_batch":{compact_json(result.next_batch)},'
+            f'{{"next_batch":{json_string(result.next_batch)},'
             f'"events":[{",".join([e.client_json() for e in result.events])}],'
             f'"limited":{"true" if result.limited else "false"}}}'
         )

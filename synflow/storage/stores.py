@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import json.encoder
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,6 +20,7 @@ import attrs
 from twisted.internet.defer import Deferred
 
 from synflow.caching import cached
+from synflow.json_encoding import json_string
 from synflow.storage.engines import Database, Txn
 
 
@@ -78,18 +78,14 @@ class SyncEvent:
         """:meth:`to_client` as compact ASCII JSON, the text ``encode_json`` gives for it, without parsing the content."""
         text = self._client_json
         if text is None:
-            text = (f'{{"event_id":{_quote(self.event_id)},"room_id":{_quote(self.room_id)},'
-                    f'"type":{_quote(self.type)},"sender":{_quote(self.sender)},"content":{self.content_json},'
-                    f'"origin_server_ts":{int(self.origin_server_ts)}')
+            text = (f'{{"event_id":{json_string(self.event_id)},"room_id":{json_string(self.room_id)},'
+                    f'"type":{json_string(self.type)},"sender":{json_string(self.sender)},'
+                    f'"content":{self.content_json},"origin_server_ts":{int(self.origin_server_ts)}')
             if self.state_key is not None:
-                text += f',"state_key":{_quote(self.state_key)}'
+                text += f',"state_key":{json_string(self.state_key)}'
             text += "}"
             object.__setattr__(self, "_client_json", text)
         return text
-
-
-#: A string as a quoted JSON string, ASCII only (as ``json.dumps`` quotes it).
-_quote = json.encoder.encode_basestring_ascii
 
 
 class DataStore:

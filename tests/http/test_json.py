@@ -23,7 +23,7 @@ from synflow.http.server import (
     parse_json_body,
     respond_json,
 )
-from synflow.json_encoding import compact_json
+from synflow.json_encoding import compact_json, json_string
 from synflow.storage.stores import SyncEvent
 
 JSON_VALUES = st.recursive(
@@ -98,6 +98,11 @@ SYNC_EVENTS = st.builds(
 
 
 class SyncEventJsonTest(SynchronousTestCase):
+    @given(st.text())
+    def test_json_string_is_compact_json_of_a_string(self, text: str) -> None:
+        """The quoting sync's pieces use gives the text ``compact_json`` gives for the same string."""
+        self.assertEqual(json_string(text), compact_json(text))
+
     @given(SYNC_EVENTS)
     def test_client_json_is_the_encoded_client_event(self, event: SyncEvent) -> None:
         """An event's client JSON, built from its stored content text without parsing it, is exactly the text
