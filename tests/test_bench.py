@@ -85,3 +85,5 @@ class MainjobSamplesTest(unittest.SynchronousTestCase):
         self.assertAlmostEqual(machine, 300 / 400 * 2)  # the 1.0 and 3.0 samples, not the idle tail
         self.assertAlmostEqual(by_process["master"], 0.7)
         self.assertAlmostEqual(by_process["driver"], 0.2)
+        # What each process used over the whole traffic: from the first sample to the last.
+        self.assertEqual(samples.spent(), {"master": 1.6, "driver": 0.5})

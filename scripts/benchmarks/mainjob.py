@@ -76,6 +76,11 @@ class _Samples:
             self.loop.stop()
         self.sample()
 
+    def spent(self) -> dict[str, float]:
+        """CPU seconds each process (the driver too) used from the first sample to the last."""
+        first, last = self.rows[0][2], self.rows[-1][2]
+        return {n: last[n] - first[n] for n in self.pids}
+
     def cores_between(self, start: float, end: float, cores: int) -> tuple[float, dict[str, float]]:
         """Busy cores of the whole machine, and of each process, over the samples that bound ``[start, end]``."""
         first = max((r for r in self.rows if r[0] <= start), key=lambda r: r[0], default=self.rows[0])
@@ -114,9 +119,8 @@ def run(quick: bool, progress: Progress) -> dict[str, Any]:
             pids = {f"{server}/{name}": pid for server, directory in (("localhost", home), (demo.PEER, peer))
                     for name, pid in _pids(directory).items()}
             cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-            cpu_at_send: dict[str, float] = {}
-            # This process drives the traffic (the senders and every sync chain) on the same cores.
-            driver_at_send: list[float] = []
+            # Sampled from the first send; "driver" is this process, which drives the traffic (the
+            # senders and every sync chain) on the same cores.
             samples = _Samples(pids)
             profiler = from_env()
             progress(f"sending {args.messages} messages with {args.concurrency} concurrent senders")
@@ -127,9 +131,7 @@ def run(quick: bool, progress: Progress) -> dict[str, Any]:
             def step(msg: str) -> None:
                 demo_step(msg)
                 if msg.startswith("sending"):  # the CPU figure and the profiles cover the messages, not the set-up
-                    cpu_at_send.update({name: cpu_seconds(pid) for name, pid in pids.items()})
-                    driver_at_send.append(cpu_seconds(os.getpid()))
-                    samples.start()
+                    samples.start()  # its first sample is the CPU at the first send
                     for name, pid in pids.items():
                         profiler.attach("mainjob-" + name.replace("/", "-"), pid, 2 if quick else 10)
 
@@ -146,11 +148,10 @@ def run(quick: bool, progress: Progress) -> dict[str, Any]:
             if "error" in result:
                 raise RuntimeError(result["error"].getTraceback())
             report = result["workload"].verify()
-            cpu_end = {name: cpu_seconds(pid) for name, pid in pids.items()}
-            driver_cpu = cpu_seconds(os.getpid()) - driver_at_send[0]
             samples.stop()
-            setup_cpu = sum(cpu_at_send[name] - cpu_before[name] for name in pids)
-            cpu = {name: cpu_end[name] - cpu_at_send[name] for name in pids}
+            setup_cpu = sum(samples.rows[0][2][name] - cpu_before[name] for name in pids)
+            cpu = samples.spent()
+            driver_cpu = cpu.pop("driver")
             traffic_s = time.monotonic() - t0
             profiler.finish()
         finally:
