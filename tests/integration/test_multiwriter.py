@@ -21,6 +21,8 @@ from tests.cluster import Cluster, DroppingProxy, read_jsonl, sleep, wait_until
 WORKER = "tests/procs/stream_worker.py"
 WRITERS = ("persister1", "persister2")
 READERS = ("reader1", "reader2")
+#: Transactions each writer keeps in flight (``stream_worker.py --concurrency``).
+CONCURRENCY = 4
 
 
 def redis_command(*commands: bytes) -> list[bytes]:
@@ -98,7 +100,7 @@ def check_reader_log(testcase, log: list[dict], facts: dict[str, list[tuple[int,
 
 
 def check_audit_log(testcase, cluster: Cluster, facts: dict[str, list[tuple[int, str]]],
-                    killed: str | None = None, concurrency: int = 4) -> None:
+                    killed: str | None = None) -> None:
     """The writers' audit logs record every committed fact as ok, and exactly the rolled-back ones as aborted.
 
     A writer SIGKILLed mid-run (``killed``) may lose audit records it had not
@@ -107,8 +109,8 @@ def check_audit_log(testcase, cluster: Cluster, facts: dict[str, list[tuple[int,
     kill: the audit record is written through when a batch completes, before
     the worker's callback records the outcome. Each such event must be one
     the database does not hold and the killed run recorded no outcome for,
-    from at most ``concurrency`` transactions (the writer's transactions in
-    flight).
+    from at most :data:`CONCURRENCY` transactions (the writer's transactions
+    in flight).
     """
     import glob
 
@@ -140,7 +142,7 @@ def check_audit_log(testcase, cluster: Cluster, facts: dict[str, list[tuple[int,
                                      f"{writer}: {event_id} recorded as aborted but its outcome was a fact")
             # Event IDs are $<writer>-<seed>-<transaction>-<index>:test
             in_flight = {e.rsplit("-", 1)[0] for e in unrecorded}
-            testcase.assertLessEqual(len(in_flight), concurrency,
+            testcase.assertLessEqual(len(in_flight), CONCURRENCY,
                                      f"{writer}: aborted events without a recorded rollback: {sorted(unrecorded)}")
         for r in records:
             if r.get("kind") is None:
@@ -176,7 +178,7 @@ class MultiWriterMixin:
         for i, name in enumerate(WRITERS):
             hold = ["--hold-at", str(self.COUNT // 3)] if kill_writer and name == "persister2" else []
             cluster.start_script(name, "event_persister", WORKER, "--role", "writer", "--seed", str(i + 1),
-                                 "--count", str(self.COUNT), "--rollback", "0.15", "--concurrency", "4",
+                                 "--count", str(self.COUNT), "--rollback", "0.15", "--concurrency", str(CONCURRENCY),
                                  "--out", cluster.out_path(name), *hold)
 
         def facts_written(name):
@@ -205,7 +207,7 @@ class MultiWriterMixin:
             before = read_jsonl(cluster.out_path("persister2"))
             yield sleep(0.5)
             cluster.start_script("persister2", "event_persister", WORKER, "--role", "writer", "--seed", "9",
-                                 "--count", "200", "--rollback", "0.15", "--concurrency", "4",
+                                 "--count", "200", "--rollback", "0.15", "--concurrency", str(CONCURRENCY),
                                  "--out", cluster.out_path("persister2") + ".2")
 
         def all_done():
