@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Sequence
 from typing import Any
 
 from twisted.application.service import Service
@@ -31,7 +32,7 @@ from twisted.python.failure import Failure
 from synflow.backoff import Backoff
 from synflow.replication.commands import AnyCommand, PositionCommand, RdataCommand, Side
 from synflow.replication.core import DEFAULT_OPTIONS, ConnectionCore, ConnectionOptions
-from synflow.replication.interfaces import CommandReceiver
+from synflow.replication.interfaces import CommandReceiver, deliver_commands
 from synflow.replication.metrics import count_dropped
 from synflow.replication.protocol import ReplicationProtocol
 
@@ -184,6 +185,14 @@ class ReplicationClientService(Service):
             return
         self.connection.send_command(cmd)
 
+    def send_commands(self, cmds: Sequence[AnyCommand]) -> None:
+        """:meth:`send_command` for each of ``cmds``, in one call to the connection."""
+        if self.connection is None:
+            for cmd in cmds:
+                self.send_command(cmd)  # dropped and counted, one by one
+            return
+        self.connection.send_commands(cmds)
+
     # -- CommandReceiver ---------------------------------------------------------------
 
     def new_connection(self, conn: ReplicationProtocol) -> None:
@@ -212,3 +221,8 @@ class ReplicationClientService(Service):
     def on_command(self, conn: ReplicationProtocol, cmd: AnyCommand) -> None:
         if self.handler is not None:
             self.handler.on_command(conn, cmd)
+
+    def on_commands(self, conn: ReplicationProtocol, cmds: list[AnyCommand]) -> None:
+        """Consecutive RDATA and POSITION of one read: to the handler as one list if it takes one."""
+        if self.handler is not None:
+            deliver_commands(self.handler, conn, cmds)

@@ -26,6 +26,7 @@ import enum
 import hmac
 import logging
 from collections import deque
+from collections.abc import Sequence
 from typing import Final, TypeAlias
 
 import attrs
@@ -429,6 +430,34 @@ class ConnectionCore:
         name = cmd.NAME
         counts[name] = counts.get(name, 0) + 1
         return data
+
+    def send_now_into(
+        self, cmds: Sequence[AnyCommand], start: int, now: float, out: list[bytes], budget: int,
+    ) -> tuple[int, int]:
+        """:meth:`send_now` for ``cmds[start:]``, appending each line to ``out``, until their bytes reach ``budget``.
+
+        Returns the index after the last command encoded and the bytes
+        appended, a newline counted per line.
+
+        Raises:
+            LocalProtocolError: a command cannot be encoded; the lines before
+                it are in ``out`` and counted.
+        """
+        counts = self.stats.commands_out
+        self.last_sent = now
+        size = 0
+        i, n = start, len(cmds)
+        while i < n:
+            cmd = cmds[i]
+            data = encode_line_bytes(cmd)
+            out.append(data)
+            name = cmd.NAME
+            counts[name] = counts.get(name, 0) + 1
+            i += 1
+            size += len(data) + 1
+            if size >= budget:
+                break
+        return i, size
 
     def _send_now(self, cmd: AnyCommand, now: float) -> list[Action]:
         return [SendLine(self.send_now(cmd, now))]

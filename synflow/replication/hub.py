@@ -21,6 +21,7 @@ Internal to synflow: not part of the public API (``synflow.api``).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Final
 
 from twisted.internet.interfaces import IAddress, IReactorTime
@@ -36,7 +37,7 @@ from synflow.replication.commands import (
     Side,
 )
 from synflow.replication.core import DEFAULT_OPTIONS, ConnectionCore, ConnectionOptions
-from synflow.replication.interfaces import CommandReceiver
+from synflow.replication.interfaces import CommandReceiver, deliver_commands
 from synflow.replication.protocol import ReplicationProtocol
 
 logger = logging.getLogger(__name__)
@@ -84,6 +85,20 @@ class ReplicationHub:
         if self.handler is not None:
             self.handler.on_command(conn, cmd)
 
+    def on_commands(self, conn: ReplicationProtocol, cmds: list[AnyCommand]) -> None:
+        """Consecutive stream commands (RDATA, POSITION) of one read: relayed as one list per connection."""
+        relayed = [cmd for cmd in cmds if isinstance(cmd, RELAYED_COMMANDS)]
+        if relayed:
+            for other in self.connections:
+                if other is not conn:
+                    try:
+                        other.send_commands(relayed)
+                    except Exception:
+                        logger.exception("failed to relay %d commands to %s", len(relayed), other.peer_name)
+                    self.relayed += len(relayed)
+        if self.handler is not None:
+            deliver_commands(self.handler, conn, cmds)
+
     # -- the master's own sends ------------------------------------------------------
 
     @property
@@ -95,6 +110,14 @@ class ReplicationHub:
         """Send a command of the master's to every connected worker."""
         for conn in list(self.connections):
             self._send(conn, cmd)
+
+    def send_commands(self, cmds: Sequence[AnyCommand]) -> None:
+        """:meth:`send_command` for each of ``cmds``: the list to each worker in one call."""
+        for conn in list(self.connections):
+            try:
+                conn.send_commands(cmds)
+            except Exception:
+                logger.exception("failed to send %d commands to %s", len(cmds), conn.peer_name)
 
     def close_all(self, reason: str) -> None:
         """Tell every worker why and close its connection (on shutdown)."""

@@ -19,6 +19,7 @@ Internal to synflow: not part of the public API (``synflow.api``).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from twisted.internet.defer import Deferred
@@ -82,6 +83,10 @@ class ReplicationProtocol(LineOnlyReceiver):
     ) -> None:
         self.core = core
         self.receiver = receiver
+        #: The receiver's ``on_commands(conn, cmds)``, if it has one: consecutive
+        #: stream commands of one read are delivered to it as one list.
+        self._deliver_many: Callable[[ReplicationProtocol, list[AnyCommand]], None] | None = getattr(
+            receiver, "on_commands", None)
         self.clock = clock
         self.tick_interval_s = tick_interval_s
         self.close_timeout_s = close_timeout_s
@@ -120,6 +125,37 @@ class ReplicationProtocol(LineOnlyReceiver):
             return
         self._run(core.send(cmd, self.clock.seconds()))
 
+    def send_commands(self, cmds: Sequence[AnyCommand]) -> None:
+        """:meth:`send_command` for each of ``cmds`` in order, without a call per line on the common path.
+
+        Raises:
+            LocalProtocolError: as :meth:`send_command`; the commands before
+                the one that failed were sent, none after it.
+        """
+        core = self.core
+        if not write_batch.depth:
+            for cmd in cmds:
+                self.send_command(cmd)
+            return
+        now = self.clock.seconds()
+        i, n = 0, len(cmds)
+        while i < n:
+            if core.state is not State.ESTABLISHED:  # paused (a full buffer) or closed: queue or drop the rest
+                for cmd in cmds[i:]:
+                    self.send_command(cmd)
+                return
+            lines = self._lines
+            if not lines:
+                write_batch.pending.append(self)
+            try:
+                i, size = core.send_now_into(cmds, i, now, lines, _BATCH_BYTES - self._lines_bytes)
+            except Exception:
+                self._lines_bytes = sum(len(line) + 1 for line in lines)  # what was encoded before still goes
+                raise
+            self._lines_bytes += size
+            if self._lines_bytes >= _BATCH_BYTES:
+                self.flush_gathered()  # a full socket buffer pauses us here, and the core queues the rest
+
     def close(self, reason: str) -> None:
         """Send ``ERROR <reason>`` and close."""
         self._run(self.core.close(reason, self.clock.seconds()))
@@ -157,7 +193,35 @@ class ReplicationProtocol(LineOnlyReceiver):
 
     def dataReceived(self, data: bytes) -> None:
         with write_batch:  # what handling these lines sends goes out in one write per connection
-            super().dataReceived(data)
+            if self._deliver_many is None:
+                super().dataReceived(data)
+                return
+            # LineOnlyReceiver's loop, with the stream commands between two
+            # other outcomes handed to the receiver as one list.
+            lines = (self._buffer + data).split(b"\n")
+            self._buffer = lines.pop()
+            receive = self.core.receive
+            now = self.clock.seconds()
+            run: list[AnyCommand] = []
+            for line in lines:
+                if self.transport.disconnecting:
+                    break  # a line before this one closed the connection: the rest is not read
+                if len(line) > MAX_LINE_LENGTH:
+                    self._deliver_run(run)
+                    self.lineLengthExceeded(line)
+                    return
+                result = receive(line, now)
+                if type(result) is list:
+                    if run:
+                        self._deliver_run(run)
+                        run = []
+                    if result:
+                        self._run(result)
+                else:
+                    run.append(result)  # type: ignore[arg-type]
+            self._deliver_run(run)
+            if len(self._buffer) > MAX_LINE_LENGTH:
+                self.lineLengthExceeded(self._buffer)
 
     def lineReceived(self, line: bytes) -> None:
         result = self.core.receive(line, self.clock.seconds())
@@ -224,6 +288,16 @@ class ReplicationProtocol(LineOnlyReceiver):
                 self.transport.loseConnection()
                 if self._abort_call is None:
                     self._abort_call = self.clock.callLater(self.close_timeout_s, self._abort)
+
+    def _deliver_run(self, cmds: list[AnyCommand]) -> None:
+        """Consecutive stream commands to a receiver that takes them as a list (the hub)."""
+        if not cmds:
+            return
+        assert self._deliver_many is not None
+        try:
+            self._deliver_many(self, cmds)
+        except Exception:
+            logger.exception("error handling %d commands from %s", len(cmds), self.peer_name)
 
     def _deliver(self, cmd: AnyCommand) -> None:
         try:

@@ -54,7 +54,7 @@ from synflow.replication.commands import (
     Side,
 )
 from synflow.replication.core import ConnectionCore, ConnectionOptions, Deliver, SendLine, State
-from synflow.replication.interfaces import CommandReceiver
+from synflow.replication.interfaces import CommandReceiver, deliver_commands
 from synflow.replication.metrics import count_dropped
 
 logger = logging.getLogger(__name__)
@@ -376,14 +376,27 @@ class RedisTransportService(Service):
             return
         self.messages_received += 1
         now = self.reactor.seconds()
+        run: list[AnyCommand] = []  # consecutive stream commands, handed over as one list
         for line in data.split(b"\n"):
             result = self.core.receive(line, now)
             if type(result) is not list:
-                self._deliver(conn, result)  # type: ignore[arg-type]
+                run.append(result)  # type: ignore[arg-type]
                 continue
+            if run:
+                self._deliver_run(conn, run)
+                run = []
             for action in result:
                 if isinstance(action, Deliver):
                     self._deliver(conn, action.command)
+        if run:
+            self._deliver_run(conn, run)
+
+    def _deliver_run(self, conn: Any, cmds: list[AnyCommand]) -> None:
+        if self.handler is not None:
+            try:
+                deliver_commands(self.handler, conn, cmds)
+            except Exception:
+                logger.exception("error handling %d commands from Redis", len(cmds))
 
     def _deliver(self, conn: Any, cmd: AnyCommand) -> None:
         if self.handler is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock
@@ -410,8 +412,17 @@ class _Worker:
         self.handler.on_command(conn, cmd)
 
 
+class _RunWorker(_Worker):
+    """:class:`_Worker` passing the rows of one read on as one list, as the client service does."""
+
+    def on_commands(self, conn, cmds):
+        self.handler.on_commands(conn, cmds)
+
+
 class ThroughTheHubTest(SynchronousTestCase):
     """A writer and a reader on two workers, joined by the real hub over in-memory pumps (layer 3)."""
+
+    worker = _Worker
 
     def setUp(self):
         self.clock = MemoryReactorClock()
@@ -428,7 +439,7 @@ class ThroughTheHubTest(SynchronousTestCase):
 
     def _connect(self, handler, name):
         server = make_protocol(Side.SERVER, self.hub, self.clock, server_name="hs")
-        client = make_protocol(Side.CLIENT, _Worker(handler), self.clock, server_name="hs", instance_name=name)
+        client = make_protocol(Side.CLIENT, self.worker(handler), self.clock, server_name="hs", instance_name=name)
         return Pump(server, client)
 
     def _flush(self):
@@ -512,3 +523,61 @@ class ThroughTheHubTest(SynchronousTestCase):
         self.assertEqual(len(every_row), len(set(every_row)))
         self.assertEqual(applied[-1], (after[-1], [f"$e{after[-1] * 10}:hs", f"$e{after[-1] * 10 + 1}:hs"]))
         self.assertEqual(self.reader.position("events", "w1"), self.gen.position)
+
+
+class ThroughTheHubRunsTest(ThroughTheHubTest):
+    """The same, the reader's worker taking the rows of each read as one list (``on_commands``)."""
+
+    worker = _RunWorker
+
+
+_WRITERS = st.sampled_from(["w1", "w2", "reader"])  # "reader": the handler's own echo, ignored
+_TOKENS = st.integers(min_value=1, max_value=12)
+_STREAM_CMDS = st.one_of(
+    st.builds(lambda w, t, n: RdataCommand("events", w, t, ev(n).to_wire()),
+              _WRITERS, st.one_of(st.none(), _TOKENS), st.integers(0, 99)),
+    st.builds(lambda w, a, b: PositionCommand("events", w, min(a, b), max(a, b)), _WRITERS, _TOKENS, _TOKENS),
+    st.builds(lambda t: RdataCommand("no_such_stream", "w1", t, []), _TOKENS),
+)
+
+
+class RunsTest(SynchronousTestCase):
+    """``on_commands`` decides exactly as ``on_command`` for each of its commands, in order."""
+
+    def _reader(self, listener=None):
+        table = ListSource([(w, t, ev(1000 + t)) for w in ("w1", "w2") for t in range(1, 13)])
+        handler, applied, _ = make_handler(source=table)
+        if listener is not None:
+            handler.add_command_listener(RdataCommand, listener)
+        conn = FakeConn()
+        handler.new_connection(conn)
+        return handler, applied, conn
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.lists(_STREAM_CMDS, max_size=40), st.lists(st.integers(1, 8), min_size=1, max_size=10))
+    def test_runs_apply_as_one_by_one(self, cmds, cuts):
+        """Any commands, cut into runs anywhere: the same rows applied at the same tokens, the same positions
+        and counts as delivering them one by one."""
+        one, one_applied, one_conn = self._reader()
+        for cmd in cmds:
+            one.on_command(one_conn, cmd)
+        runs, runs_applied, runs_conn = self._reader()
+        i, k = 0, 0
+        while i < len(cmds):
+            n = cuts[k % len(cuts)]
+            runs.on_commands(runs_conn, cmds[i:i + n])
+            i, k = i + n, k + 1
+        self.assertEqual(runs_applied, one_applied)
+        self.assertEqual({w: runs.position("events", w) for w in ("w1", "w2")},
+                         {w: one.position("events", w) for w in ("w1", "w2")})
+        self.assertEqual(vars(runs.stats), vars(one.stats))
+
+    def test_command_listeners_still_see_every_row(self):
+        """With a listener for RDATA, every row of a run reaches it, after the rows before it were applied."""
+        seen = []
+        handler, applied, conn = self._reader(lambda c, cmd: seen.append((cmd.token, len(applied))))
+        handler.on_commands(conn, [PositionCommand("events", "w1", 1, 1),
+                                   RdataCommand("events", "w1", 2, ev(2).to_wire()),
+                                   RdataCommand("events", "w1", 3, ev(3).to_wire())])
+        self.assertEqual(seen, [(2, 1), (3, 2)])
+        self.assertEqual(applied, [("w1", 2, ["$e2:hs"]), ("w1", 3, ["$e3:hs"])])

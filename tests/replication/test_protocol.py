@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+from typing import Any
 
 from prometheus_client import REGISTRY
 from twisted.internet.defer import fail, succeed
@@ -15,6 +16,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from synflow.backoff import Backoff
 from synflow.errors import LocalProtocolError
+from synflow.replication.batch import write_batch
 from synflow.replication.client import ReplicationClientService
 from synflow.replication.commands import (
     MAX_LINE_LENGTH,
@@ -637,3 +639,182 @@ class FastPathTest(SynchronousTestCase):
         proto, transport, receiver = _server(_clock())
         proto.dataReceived(b"NAME persister1\n" + self.ROW + b"\n")
         self.assertEqual(receiver.received(), [NameCommand("persister1"), parse_line(self.ROW)])
+
+
+class _RunReceiver(RecordingReceiver):
+    """A receiver that takes runs of stream commands: remembers each delivery, one command or one list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.deliveries: list[Any] = []
+
+    def on_command(self, conn, cmd):
+        super().on_command(conn, cmd)
+        self.deliveries.append(cmd)
+
+    def on_commands(self, conn, cmds):
+        self.commands.extend((conn, cmd) for cmd in cmds)
+        self.deliveries.append(list(cmds))
+
+
+def _rdata(token):
+    return f'RDATA events persister1 {token} ["$e{token}:hs","!r:hs","m.room.message",null,"@u:hs",null]'.encode()
+
+
+class RunDeliveryTest(SynchronousTestCase):
+    """The stream commands of one read reach a receiver with ``on_commands`` as lists, in order."""
+
+    def _server(self):
+        receiver = _RunReceiver()
+        proto = make_protocol(Side.SERVER, receiver, _clock(), server_name="example.com")
+        transport = attach(proto)
+        proto.dataReceived(b"NAME persister1\n")
+        receiver.deliveries.clear()
+        return proto, transport, receiver
+
+    def test_runs_between_other_commands_come_as_lists_in_order(self):
+        """Rows and positions between two other commands come as one list each; the others one by one."""
+        proto, transport, receiver = self._server()
+        lines = [_rdata(2), _rdata(3), b"PING 1", b"POSITION events persister1 3 4", _rdata(5)]
+        proto.dataReceived(b"\n".join(lines) + b"\n")
+        expected = [parse_line(line) for line in lines]
+        self.assertEqual(receiver.deliveries, [expected[:2], expected[2], expected[3:]])
+        self.assertEqual(receiver.received()[-5:], expected)
+        self.assertEqual(proto.core.stats.commands_in["RDATA"], 3)
+
+    def test_a_line_split_across_reads_is_delivered_once_whole(self):
+        """A row cut in two by the transport is held until its newline and then delivered once."""
+        proto, transport, receiver = self._server()
+        data = _rdata(2) + b"\n" + _rdata(3) + b"\n"
+        proto.dataReceived(data[:50])
+        self.assertEqual(receiver.deliveries, [])
+        proto.dataReceived(data[50:90])
+        self.assertEqual(receiver.deliveries, [[parse_line(_rdata(2))]])
+        proto.dataReceived(data[90:])
+        self.assertEqual(receiver.deliveries, [[parse_line(_rdata(2))], [parse_line(_rdata(3))]])
+
+    def test_a_bad_line_delivers_what_came_before_and_nothing_after(self):
+        """A line that closes the connection: the rows before it are delivered, the rows after it are not read."""
+        proto, transport, receiver = self._server()
+        proto.dataReceived(b"\n".join([_rdata(2), _rdata(3), b"RDATA events persister1 x4 []", _rdata(5)]) + b"\n")
+        self.assertEqual(receiver.deliveries, [[parse_line(_rdata(2)), parse_line(_rdata(3))]])
+        self.assertTrue(transport.disconnecting)
+        self.assertEqual(proto.core.stats.commands_in["RDATA"], 2)
+
+    def test_an_over_long_line_delivers_what_came_before_and_closes(self):
+        """A line longer than the limit closes the connection after the complete rows before it are delivered."""
+        proto, transport, receiver = self._server()
+        proto.dataReceived(_rdata(2) + b"\n" + b"RDATA " + b"x" * MAX_LINE_LENGTH + b"\n" + _rdata(3) + b"\n")
+        self.assertEqual(receiver.deliveries, [[parse_line(_rdata(2))]])
+        self.assertTrue(transport.disconnecting)
+        self.assertIn(b"ERROR Line length exceeded", transport.value())
+
+    def test_an_unfinished_over_long_line_closes(self):
+        """Bytes past the limit with no newline yet close the connection, as LineOnlyReceiver does."""
+        proto, transport, receiver = self._server()
+        proto.dataReceived(_rdata(2) + b"\n" + b"RDATA " + b"x" * MAX_LINE_LENGTH)
+        self.assertEqual(receiver.deliveries, [[parse_line(_rdata(2))]])
+        self.assertTrue(transport.disconnecting)
+
+    def test_a_failing_receiver_is_logged_and_the_connection_stays(self):
+        """An exception from on_commands is logged; the connection stays open and the next read is delivered."""
+        proto, transport, receiver = self._server()
+        calls = []
+
+        def failing(conn, cmds):
+            calls.append(cmds)
+            if len(calls) == 1:
+                raise RuntimeError("handler bug")
+
+        proto._deliver_many = failing
+        with self.assertLogs("synflow.replication.protocol", "ERROR") as logs:
+            proto.dataReceived(_rdata(2) + b"\n")
+        self.assertIn("handler bug", "\n".join(logs.output))
+        proto.dataReceived(_rdata(3) + b"\n")
+        self.assertEqual(calls, [[parse_line(_rdata(2))], [parse_line(_rdata(3))]])
+        self.assertFalse(transport.disconnecting)
+
+    def test_a_receiver_without_on_commands_gets_each_command(self):
+        """A receiver with only on_command (the conformance kit's) gets every command, one call each."""
+        proto, transport, receiver = _server(_clock())
+        proto.dataReceived(b"NAME persister1\n" + _rdata(2) + b"\n" + _rdata(3) + b"\n")
+        self.assertEqual(receiver.received(), [NameCommand("persister1"), parse_line(_rdata(2)),
+                                               parse_line(_rdata(3))])
+
+
+class SendCommandsTest(SynchronousTestCase):
+    """``send_commands``: the same lines, counts and queueing as ``send_command`` for each."""
+
+    def _open(self):
+        proto, transport, _ = _server(_clock())
+        transport.clear()
+        return proto, transport
+
+    def test_lines_go_out_in_order_in_one_write_and_are_counted(self):
+        """Inside a write batch the list goes out in one write, in order, each command counted."""
+        proto, transport = self._open()
+        writes = []
+        real_write = transport.write
+        self.patch(transport, "write", lambda data: (writes.append(data), real_write(data)))
+        cmds = [RdataCommand("events", "master", None, ["a"]), RdataCommand("events", "master", 4, ["b"]),
+                PositionCommand("events", "master", 4, 6)]
+        with write_batch:
+            proto.send_commands(cmds)
+            self.assertEqual(writes, [])
+        self.assertEqual(len(writes), 1)
+        self.assertEqual(sent_lines(transport),
+                         ['RDATA events master batch ["a"]', 'RDATA events master 4 ["b"]',
+                          "POSITION events master 4 6"])
+        self.assertEqual(proto.core.stats.commands_out["RDATA"], 2)
+        self.assertEqual(proto.core.stats.commands_out["POSITION"], 1)
+
+    def test_outside_a_batch_each_is_written_at_once(self):
+        """Outside a write batch each command is written as send_command writes it."""
+        proto, transport = self._open()
+        proto.send_commands([PositionCommand("events", "master", 1, 2), PositionCommand("events", "master", 2, 3)])
+        self.assertEqual(sent_lines(transport), ["POSITION events master 1 2", "POSITION events master 2 3"])
+
+    def test_a_pause_mid_list_queues_the_rest_in_order(self):
+        """A write that fills the socket buffer pauses the connection: the rest of the list queues, then follows."""
+        proto, transport = self._open()
+        real_write = transport.write
+
+        def write_and_pause(data):
+            real_write(data)
+            proto.pauseProducing()
+
+        self.patch(transport, "write", write_and_pause)
+        row = ["x" * 1000]
+        n = 3 * _BATCH_BYTES // 1000
+        with write_batch:
+            proto.send_commands([RdataCommand("events", "master", t, row) for t in range(1, n + 1)])
+        written = sent_lines(transport)
+        self.assertGreater(len(written), 0)
+        self.assertLess(len(written), n)
+        self.assertEqual(len(written) + proto.core.pending_commands, n)
+        self.patch(transport, "write", real_write)
+        proto.resumeProducing()
+        lines = written + sent_lines(transport)
+        self.assertEqual([parse_line(line).token for line in lines], list(range(1, n + 1)))
+
+    def test_a_command_that_cannot_be_sent_stops_the_list_after_the_ones_before(self):
+        """A row that cannot be encoded raises; the commands before it go out, none after it."""
+        proto, transport = self._open()
+        cmds = [RdataCommand("events", "master", 2, ["a"]), RdataCommand("events", "master", 3, [object()]),
+                RdataCommand("events", "master", 4, ["c"])]
+        with self.assertRaises(LocalProtocolError), write_batch:
+            proto.send_commands(cmds)
+        self.assertEqual(sent_lines(transport), ['RDATA events master 2 ["a"]'])
+        self.assertEqual(proto.core.stats.commands_out.get("RDATA"), 1)
+        proto.send_commands([cmds[2]])
+        self.assertEqual(sent_lines(transport), ['RDATA events master 4 ["c"]'])
+
+    def test_a_closed_connection_drops_the_list(self):
+        """On a closed connection the list is dropped as send_command drops each."""
+        proto, transport = self._open()
+        proto.close("bye")
+        transport.clear()
+        with write_batch:
+            proto.send_commands([PositionCommand("events", "master", 1, 2)])
+        self.assertEqual(sent_lines(transport), [])
+        self.assertEqual(proto.core.stats.dropped_closed, 1)

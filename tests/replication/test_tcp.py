@@ -120,6 +120,27 @@ class HubRelayListTest(SynchronousTestCase):
         b.dataReceived(lines)
         self.assertEqual(writes, [lines])
 
+    def test_a_run_the_master_fails_on_is_still_relayed_and_handled_to_the_end(self):
+        """The rows of one read are relayed to every other connection, and a master's handler that fails on
+        one of them still gets the rest, the failure logged."""
+        hub, handler, ((a, a_transport), (b, b_transport)) = self._hub()
+        real = handler.on_command
+
+        def fail_first(conn, cmd):
+            real(conn, cmd)
+            if len(handler.commands) == 1:
+                raise RuntimeError("handler bug")
+
+        self.patch(handler, "on_command", fail_first)
+        lines = [b'RDATA events w1 %d ["$e%d:hs"]' % (t, t) for t in range(2, 5)]
+        with self.assertLogs("synflow.replication.interfaces", "ERROR") as logs:
+            b.dataReceived(b"".join(line + b"\n" for line in lines))
+        self.assertIn("handler bug", "\n".join(logs.output))
+        self.assertEqual(handler.received(), [parse_line(line) for line in lines])
+        self.assertEqual(sent_lines(a_transport), [line.decode() for line in lines])
+        self.assertEqual(sent_lines(b_transport), [])
+        self.assertEqual(hub.relayed, 3)
+
     def test_protocol_doc_lists_the_relayed_commands(self):
         """The command table of docs/protocol.md marks exactly the commands the hub relays."""
         with open(PROTOCOL_DOC, encoding="utf-8") as f:
