@@ -460,8 +460,11 @@ class ReplicationHandler:
         if cmd.token is None:
             view.pending_batches.setdefault(instance, []).append(row)
             return
-        rows = view.pending_batches.pop(instance, [])
-        rows.append(row)
+        rows = view.pending_batches.pop(instance, None) if view.pending_batches else None
+        if rows is None:
+            rows = [row]
+        else:
+            rows.append(row)
         if cmd.token <= view.positions.get(instance, 0):
             self.stats.rdata_stale += 1
             return
