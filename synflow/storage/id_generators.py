@@ -126,9 +126,15 @@ def ensure_sequences_txn(txn: Txn, streams: Iterable[StreamDef]) -> list[str]:
 
 
 def bump_sequence_txn(txn: Txn, stream: StreamDef, at_least: int) -> None:
-    """Make the sequence's next ID greater than ``at_least``."""
+    """Make the sequence's next ID greater than ``at_least``.
+
+    On PostgreSQL the sequence is only set when it is behind ``at_least``:
+    setting it to a value read a moment before would take it back past any
+    ID another writer took in between.
+    """
     if txn.engine.name == "postgres":
-        txn.execute(f"SELECT setval('{stream.sequence}', GREATEST(?, (SELECT last_value FROM {stream.sequence})))", (at_least,))
+        txn.execute(f"SELECT setval('{stream.sequence}', ?) FROM {stream.sequence} "
+                    f"WHERE CASE WHEN is_called THEN last_value ELSE last_value - 1 END < ?", (at_least, at_least))
     else:
         txn.execute(
             "UPDATE stream_sequences SET last_id = MAX(last_id, ?) WHERE stream_name = ?",
@@ -143,7 +149,13 @@ def load_stream_state_txn(txn: Txn, stream: StreamDef, instance_name: str, repai
         InconsistentPositionsError: something is inconsistent and ``repair``
             is off (or the sequence is missing).
     """
-    last = last_allocated_txn(txn, stream)
+    # The sequence is read last. Other writers may be committing meanwhile,
+    # and on PostgreSQL each statement sees what was committed before it; an
+    # ID in the table or in a position was taken from the sequence before it
+    # got there, so a sequence read after them is never behind them unless
+    # something really is wrong. Read first, a row committed between the two
+    # reads would look like a sequence behind its rows, and the "repair"
+    # would set the sequence back under the writer taking IDs from it.
     txn.execute(f"SELECT MAX({stream.id_column}) FROM {stream.table}")
     max_row = (txn.fetchone() or (None,))[0]
     txn.execute("SELECT instance_name, stream_id FROM stream_positions WHERE stream_name = ?", (stream.name,))
@@ -153,6 +165,7 @@ def load_stream_state_txn(txn: Txn, stream: StreamDef, instance_name: str, repai
         (instance_name,),
     )
     own_max = (txn.fetchone() or (None,))[0]
+    last = last_allocated_txn(txn, stream)
     problems = []
     if max_row is not None and max_row > last:
         problems.append(

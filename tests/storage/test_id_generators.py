@@ -20,6 +20,7 @@ from synflow.storage.id_generators import (
     StreamState,
     StreamWriteContext,
     StreamWriters,
+    bump_sequence_txn,
     ensure_sequences_txn,
     last_allocated_txn,
     load_stream_state_txn,
@@ -150,6 +151,16 @@ class IdGeneratorTestsMixin:
         self.assertEqual((await self._load(db, repair=False)).repairs, ())  # the repair was committed
         _, writers = await self._writer(db)
         self.assertEqual(await writers.run_write("w", ["events"], write_events, 2), [51, 52])
+
+    async def test_bump_only_moves_the_sequence_forward(self) -> None:
+        """Bumping to a value behind the sequence leaves it where it is; bumping past it moves it there."""
+        db = await self._db()
+        _, writers = await self._writer(db)
+        taken = await writers.run_write("w", ["events"], write_events, 5)
+        await db.run_interaction("bump", bump_sequence_txn, EVENTS, taken[0])
+        self.assertEqual(await db.run_interaction("last", last_allocated_txn, EVENTS), taken[-1])
+        await db.run_interaction("bump", bump_sequence_txn, EVENTS, taken[-1] + 10)
+        self.assertEqual(await db.run_interaction("last", last_allocated_txn, EVENTS), taken[-1] + 10)
 
     async def test_sequence_behind_positions_refused(self) -> None:
         """A stream_positions row above the sequence stops start-up (repair off), naming the writer."""
@@ -285,8 +296,54 @@ class SqliteIdGeneratorTests(IdGeneratorTestsMixin, TestCase):
         self.assertEqual(gen.position, 3)
 
 
+class _Interleaved:
+    """A Txn whose every statement is preceded by ``before()`` (another connection's work)."""
+
+    def __init__(self, txn: Txn, before: Any) -> None:
+        self._txn = txn
+        self._before = before
+
+    def execute(self, sql: str, args: Any = ()) -> None:
+        self._before()
+        self._txn.execute(sql, args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._txn, name)
+
+
 class PostgresIdGeneratorTests(IdGeneratorTestsMixin, TestCase):
     engine = "postgres"
 
     def hand_fix(self, target: int) -> str:
         return f"SELECT setval('events_stream_seq', {target})"
+
+    async def test_a_writer_committing_during_start_up_is_no_inconsistency(self) -> None:
+        """Another writer taking an ID, inserting its row and persisting its position before each statement of
+        the start-up check is not taken for a sequence behind its rows: nothing is refused (repair off) or
+        repaired (repair on), and the sequence never goes back under the writer."""
+        import psycopg2
+
+        db = await self._db()
+        config = db.config
+        other = psycopg2.connect(host=config.host, port=config.port, user=config.user, dbname=config.dbname)
+        other.autocommit = True
+        self.addCleanup(other.close)
+        taken: list[int] = []
+
+        def commit_one() -> None:
+            with other.cursor() as cursor:
+                txn = Txn(cursor, db.engine, "other writer")
+                txn.execute("SELECT nextval('events_stream_seq')")
+                sid = int(txn.fetchone()[0])  # type: ignore[index]
+                insert_event_txn(txn, sid, "persister2")
+                persist_position_txn(txn, "events", "persister2", sid)
+            taken.append(sid)
+
+        for repair in (False, True):
+            state = await db.run_interaction(
+                "load", lambda txn, r=repair: load_stream_state_txn(_Interleaved(txn, commit_one), EVENTS, WRITER, r))
+            self.assertEqual(state.repairs, ())
+            self.assertEqual(state.last_allocated, taken[-1])
+            self.assertIn(state.positions["persister2"], taken[:-1])  # read before the sequence
+        commit_one()
+        self.assertEqual(taken, list(range(taken[0], taken[0] + len(taken))))  # each ID once, none reused
