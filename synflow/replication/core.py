@@ -52,7 +52,9 @@ from synflow.replication.commands import (
 
 logger = logging.getLogger(__name__)
 
-_STREAM_COMMANDS: Final = frozenset({RdataCommand, PositionCommand})
+#: The commands :meth:`ConnectionCore.receive` hands back unwrapped on an
+#: authenticated connection; a transport delivers consecutive ones as a run.
+STREAM_COMMANDS: Final = frozenset({RdataCommand, PositionCommand})
 
 #: Send a PING when nothing was sent for this long (seconds).
 PING_INTERVAL_S: Final = 5.0
@@ -342,7 +344,7 @@ class ConnectionCore:
             logger.warning("closing %s: failed to parse line: %s", self._describe(), e)
             return self.close(f"failed to parse line: {e}", now)
         kind = type(cmd)
-        if kind in _STREAM_COMMANDS and self.authenticated:
+        if kind in STREAM_COMMANDS and self.authenticated:
             # Either side may send them (SENDERS is BOTH), and there is nothing
             # for the connection itself to do: count and deliver.
             counts = self.stats.commands_in
@@ -561,6 +563,7 @@ __all__ = [
     "KEEP_UP_ERROR",
     "PING_INTERVAL_S",
     "PING_TIMEOUT_S",
+    "STREAM_COMMANDS",
     "Action",
     "Authenticated",
     "Close",

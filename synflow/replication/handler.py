@@ -41,7 +41,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from twisted.internet.defer import Deferred, DeferredLock, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
@@ -65,6 +65,7 @@ from synflow.replication.commands import (
     ServerCommand,
     UserSyncCommand,
 )
+from synflow.replication.core import STREAM_COMMANDS
 from synflow.replication.guard import PositionGuard
 from synflow.replication.interfaces import Connection
 from synflow.streams import StreamDef, Writers
@@ -80,10 +81,6 @@ PositionListener = Callable[[str, int], None]
 
 #: Default bound on waiting for another process to reach a position (seconds).
 WAIT_FOR_POSITION_TIMEOUT_S = 5.0
-
-
-#: What a connection delivers in runs (:meth:`ReplicationHandler.on_commands`).
-_STREAM_COMMANDS: Final = frozenset({RdataCommand, PositionCommand})
 
 
 class Source(Protocol):
@@ -334,7 +331,7 @@ class ReplicationHandler:
         views = self.views
         for cmd in cmds:
             try:
-                if type(cmd) not in _STREAM_COMMANDS:
+                if type(cmd) not in STREAM_COMMANDS:
                     self.on_command(conn, cmd)
                     continue
                 view = views.get(cmd.stream_name)  # type: ignore[union-attr]
