@@ -11,8 +11,9 @@ stopped; anything older is covered by each destination's catch-up.
 
 :func:`inbound_handler` builds the master's ``PUT /_matrix/federation/v1/send``:
 each PDU is persisted through its room's persister, the transaction is
-deduplicated on (origin, txn_id), and the origin's backoff is cleared and
-announced with ``REMOTE_SERVER_UP`` so its sender wakes at once.
+deduplicated on (origin, txn_id), and an origin this server is backing off
+has its backoff cleared and announced with ``REMOTE_SERVER_UP`` so its
+sender wakes at once (an origin not backed off costs one read).
 
 Internal to synflow: not part of the public API (``synflow.api``).
 """
@@ -164,10 +165,21 @@ def inbound_handler(db: Any, router: EventRouter, handler: ReplicationHandler, *
         (result,) = await router.persist([pdu_to_spec(origin, pdu)])
         result.raise_error()
 
-    def remote_server_up(origin: str) -> None:
-        d = destinations.set_retry(origin, RetryState())
-        d.addErrback(lambda f: logger.warning("could not reset backoff of %s: %s", origin, f.getErrorMessage()))
+    async def clear_backoff(origin: str) -> None:
+        # Only a server this one is backing off has anything to clear: a read, where
+        # every accepted transaction used to cost a write here, one in the owning
+        # sender and a command to every process.
+        record = await destinations.get_destination(origin)
+        if record is None or record.retry == RetryState():
+            return
+        try:
+            await destinations.set_retry(origin, RetryState())
+        except Exception as e:  # the senders still clear it, in memory and in the store
+            logger.warning("could not reset backoff of %s: %s", origin, e)
         handler.send_command(RemoteServerUpCommand(origin))
+
+    def remote_server_up(origin: str) -> Deferred[None]:
+        return Deferred.fromCoroutine(clear_backoff(origin))
 
     def persist(origin: str, pdu: dict[str, Any]) -> Deferred[None]:
         return Deferred.fromCoroutine(persist_pdu(origin, pdu))

@@ -5,9 +5,10 @@
   per-destination sends, for the destinations this sender owns, to the
   servers that were in the room *at each event* (as the persister recorded
   them) -- not the servers in it when the follower gets there.
-* :func:`~synflow.federation.worker.inbound_handler` clears the origin's
-  backoff in ``destinations`` and announces ``REMOTE_SERVER_UP``, which wakes
-  the owning sender at once (its periodic wake-up is an hour away here).
+* :func:`~synflow.federation.worker.inbound_handler` clears a backed-off
+  origin's row in ``destinations`` and announces ``REMOTE_SERVER_UP``, which
+  wakes the owning sender at once (its periodic wake-up is an hour away here);
+  an origin not backed off costs a read and nothing more.
 """
 
 from __future__ import annotations
@@ -250,7 +251,7 @@ class WorkerTestsMixin:
         await p.stop()
 
     async def test_inbound_request_clears_the_backoff_and_announces_remote_server_up(self) -> None:
-        """An accepted /send clears its origin's row in destinations and sends REMOTE_SERVER_UP; a refused one does neither."""
+        """An accepted /send from a backed-off origin clears its row in destinations and sends REMOTE_SERVER_UP; a refused one does neither."""
         db = await self._db()
         store = SqlDestinationStore(db)
         backoff = RetryState(1_000_000, 7_200_000, 1_000_000)
@@ -261,26 +262,39 @@ class WorkerTestsMixin:
         master.set_transport(sent)
         inbound = self._inbound(db, master)
 
-        code, reply = await inbound.on_send(None, "t1", b'{"origin": "r2.test", "pdus": "not a list"}')
-        self.assertEqual(code, 400)
-        code, reply = await inbound.on_send(None, "t1", _body("r1.test", "$e1:r1.test"))
-        self.assertEqual((code, reply), (200, {"pdus": {"$e1:r1.test": {}}}))
-        self.assertEqual(sent.sent, [RemoteServerUpCommand("r1.test")])
-
         async def retry_of(origin: str) -> RetryState:
             record = await store.get_destination(origin)
             assert record is not None
             return record.retry
 
-        for _ in range(500):
-            if await retry_of("r1.test") == RetryState():
-                break
+        code, reply = await inbound.on_send(None, "t1", b'{"origin": "r2.test", "pdus": "not a list"}')
+        self.assertEqual(code, 400)
+        code, reply = await inbound.on_send(None, "t1", _body("r1.test", "$e1:r1.test"))
+        self.assertEqual((code, reply), (200, {"pdus": {"$e1:r1.test": {}}}))
+        await until(lambda: sent.sent, "REMOTE_SERVER_UP r1.test")
+        self.assertEqual(sent.sent, [RemoteServerUpCommand("r1.test")])
         self.assertEqual(await retry_of("r1.test"), RetryState())
         self.assertEqual(await retry_of("r2.test"), backoff)
-        # The transaction again: answered from received_transactions, persisted once, still announced.
+        # The transaction again: answered from received_transactions, persisted once.
         self.assertEqual(await inbound.on_send(None, "t1", _body("r1.test", "$e1:r1.test")), (200, reply))
         self.assertEqual(await persisted(), ["$e1:r1.test"])
-        self.assertEqual(len(sent.sent), 2)
+
+    async def test_inbound_request_from_a_server_not_backed_off_writes_and_announces_nothing(self) -> None:
+        """An origin with a cleared row, or none, costs a read: no write to destinations, no REMOTE_SERVER_UP."""
+        db = await self._db()
+        store = SqlDestinationStore(db)
+        await store.set_retry("r1.test", RetryState())
+        master, _ = self._master(db)
+        sent = Conn()
+        master.set_transport(sent)
+        inbound = self._inbound(db, master)
+        for origin, txn in (("r1.test", "t1"), ("r3.test", "t2")):
+            code, _ = await inbound.on_send(None, txn, _body(origin, f"$e1:{origin}"))
+            self.assertEqual(code, 200)
+            # What each accepted request starts, awaited here: the check of the origin's backoff.
+            await inbound._on_remote_server_up(origin)
+        self.assertEqual(sent.sent, [])
+        self.assertIsNone(await store.get_destination("r3.test"))  # no row written for a server never backed off
 
     async def test_remote_server_up_wakes_the_owning_sender_at_once(self) -> None:
         """A backed-off destination is sent its outstanding events as soon as it sends us a transaction, without waiting for the wake-up."""
