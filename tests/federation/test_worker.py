@@ -317,6 +317,7 @@ class WorkerTestsMixin:
         master.set_transport(relay)
         code, _ = await self._inbound(db, master).on_send(None, "t1", _body(dest))
         self.assertEqual(code, 200)
+        await until(lambda: relay.lines, "REMOTE_SERVER_UP")  # once the cleared backoff is stored
         self.assertEqual(relay.lines, [f"REMOTE_SERVER_UP {dest}"])
         await until(lambda: p.events_to(dest) == [f"$so3:{SERVER}", f"$so4:{SERVER}"],
                     "the outstanding invite and message to go out", show=lambda: p.events_to(dest))
