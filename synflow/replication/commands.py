@@ -31,6 +31,7 @@ import json
 import json.scanner
 import math
 import re
+from collections.abc import Callable
 from typing import Any, ClassVar, Final, Protocol, TypeAlias
 
 import attrs
@@ -673,6 +674,28 @@ def _rdata(stream: str, instance: str, token: int | None, row: list[Any] | str, 
 
 # The row decoded on first read and the line encoded on first send are stored past the frozen class.
 _rdata_row, _rdata_wire = _slot_setters(RdataCommand, "_row", "wire")
+
+
+def rdata_builder(stream_name: str, instance_name: str) -> Callable[[int | None, list[Any]], RdataCommand]:
+    """``build(token, row)``: ``RdataCommand(stream_name, instance_name, token, row)``, the two words checked once.
+
+    A writer announcing a transaction builds one RDATA per row, all of one
+    stream and one writer: the builder checks those two words here, and on
+    each call only what varies (the token, and that the row is a list), as
+    the constructor does, raising the constructor's own error otherwise.
+
+    Raises:
+        LocalProtocolError: ``stream_name`` or ``instance_name`` is not a
+            non-empty word (here), or a token or row is invalid (in ``build``).
+    """
+    RdataCommand(stream_name, instance_name, None, [])  # raises, naming the field
+
+    def build(token: int | None, row: list[Any]) -> RdataCommand:
+        if type(row) is list and (token is None or (type(token) is int and _INT64_MIN <= token <= _INT64_MAX)):
+            return _rdata(stream_name, instance_name, token, row, None)
+        return RdataCommand(stream_name, instance_name, token, row)  # raises, naming the field
+
+    return build
 
 check_layout(PositionCommand, _PositionFields)
 check_layout(RdataCommand, _RdataFields)

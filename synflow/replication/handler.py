@@ -64,6 +64,7 @@ from synflow.replication.commands import (
     ReplicateCommand,
     ServerCommand,
     UserSyncCommand,
+    rdata_builder,
 )
 from synflow.replication.core import STREAM_COMMANDS
 from synflow.replication.guard import PositionGuard
@@ -163,6 +164,8 @@ class ReplicationHandler:
         self._connected: dict[int, set[tuple[str, str]]] = {}
         self._warned_streams: set[str] = set()
         self._announced: dict[str, int] = {}
+        #: Per stream this process writes, the RDATA builder of its rows (stream and instance checked once).
+        self._rdata_builders: dict[str, Callable[[int | None, list[Any]], RdataCommand]] = {}
         self._persist_lock = DeferredLock()
         self._tick_call: IDelayedCall | None = None
         self._command_listeners: dict[type, list[Callable[[Connection, Any], object]]] = {}
@@ -573,6 +576,10 @@ class ReplicationHandler:
             self.guard.note_allocated(stream, position)
         announced = self._announced.get(stream, 0)
         cmds: list[AnyCommand] = []
+        rdata = self._rdata_builders.get(stream)
+        if rdata is None:
+            rdata = self._rdata_builders[stream] = rdata_builder(stream, me)
+        append = cmds.append
         with write_batch:  # the announcement's lines go out in one write per connection
             try:
                 for fact in visible:
@@ -581,8 +588,8 @@ class ReplicationHandler:
                     rows = list(fact.payload.rows)
                     self._apply(view, me, fact.stream_id, rows)
                     for row in rows[:-1]:
-                        cmds.append(RdataCommand(stream, me, None, row.to_wire()))
-                    cmds.append(RdataCommand(stream, me, fact.stream_id, rows[-1].to_wire()))
+                        append(rdata(None, row.to_wire()))
+                    append(rdata(fact.stream_id, rows[-1].to_wire()))
                     announced = fact.stream_id
                 if position > view.positions.get(me, 0):
                     self._apply(view, me, position, [])

@@ -36,6 +36,7 @@ from synflow.replication.commands import (
     encode_line_bytes,
     may_send,
     parse_line,
+    rdata_builder,
 )
 from synflow.replication.core import ConnectionOptions
 from synflow.testing import RecordingReceiver, attach, make_protocol
@@ -204,6 +205,32 @@ class FastConstructionTest(SynchronousTestCase):
                 RdataCommand(*args, [])  # type: ignore[arg-type]
         with self.assertRaises(LocalProtocolError):
             RdataCommand("s", "w1", None, ("not", "a", "list"))  # type: ignore[arg-type]
+
+    @given(st.text(alphabet=string.ascii_letters + "_", min_size=1, max_size=8),
+           st.text(alphabet=string.ascii_letters + "_1", min_size=1, max_size=8),
+           st.none() | st.integers(-(2**63), 2**63 - 1),
+           st.lists(st.none() | st.integers(-(2**63), 2**63 - 1) | st.text(max_size=8), max_size=4))
+    def test_rdata_builder_builds_what_the_constructor_builds(self, stream, instance, token, row):
+        """``rdata_builder(stream, instance)(token, row)`` is ``RdataCommand(stream, instance, token, row)``, wire and all."""
+        built = rdata_builder(stream, instance)(token, row)
+        expected = RdataCommand(stream, instance, token, row)
+        self.assertIs(type(built), RdataCommand)
+        self.assertEqual(built, expected)
+        self.assertIsNone(built.wire)
+        self.assertEqual(encode_line_bytes(built), encode_line_bytes(expected))
+        with self.assertRaises(attrs.exceptions.FrozenInstanceError):
+            built.token = 1  # type: ignore[misc]
+
+    def test_rdata_builder_refuses_what_the_constructor_refuses(self):
+        """A bad word is refused when the builder is made; a bad token or row on each build, as the constructor does."""
+        for stream, instance in (("", "w1"), ("s s", "w1"), ("s", "w\n1"), (b"s", "w1"), ("s", "")):
+            with self.assertRaises(LocalProtocolError, msg=repr((stream, instance))):
+                rdata_builder(stream, instance)  # type: ignore[arg-type]
+        build = rdata_builder("s", "w1")
+        for token, row in ((2**63, []), (-(2**63) - 1, []), (True, []), (1.0, []), ("1", []), (1, ("a",)),
+                           (None, "[]"), (1, None)):
+            with self.assertRaises(LocalProtocolError, msg=repr((token, row))):
+                build(token, row)  # type: ignore[arg-type]
 
     @given(commands)
     def test_copies_and_pickles_are_equal_values(self, cmd):
