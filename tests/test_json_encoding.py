@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
-from synflow.json_encoding import compact_encoder, compact_json, compact_json_unicode
+from synflow.json_encoding import compact_encoder, compact_json, compact_json_unicode, loads
 
 _scalars = st.none() | st.booleans() | st.integers() | st.floats() | st.text()
 _values = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
@@ -31,3 +31,30 @@ class CompactEncoderTest(SynchronousTestCase):
                 strict(bad)
         with self.assertRaises(TypeError):
             compact_json({"a": object()})
+
+
+def _outcome(fn, data):
+    try:
+        value = fn(data)
+    except ValueError as e:
+        return type(e), str(e)
+    return "value", json.dumps(value, sort_keys=True)  # NaN compares equal as text
+
+
+class LoadsTest(SynchronousTestCase):
+    @given(_values, st.sampled_from(["", " ", "\n", "\t "]), st.booleans(), st.booleans())
+    def test_same_value_as_json_loads(self, value, space, as_bytes, ascii_only):
+        """The value json.loads gives, from text or UTF-8 bytes, with or without whitespace around it."""
+        text = space + json.dumps(value, ensure_ascii=ascii_only) + space
+        data = text.encode("utf-8", "surrogatepass") if as_bytes else text
+        self.assertEqual(_outcome(loads, data), _outcome(json.loads, data))
+
+    @given(st.binary(max_size=24) | st.text(max_size=24))
+    def test_same_error_as_json_loads_on_any_input(self, data):
+        """Whatever the input, the same value or the same ValueError (its type and message) as json.loads."""
+        self.assertEqual(_outcome(loads, data), _outcome(json.loads, data))
+
+    def test_edge_cases(self):
+        """Trailing data, a byte-order mark, a lone value, invalid UTF-8 and NaN go as json.loads takes them."""
+        for data in (b'[1,2] x', b'\xef\xbb\xbf{"a":1}', "\ufeff{}", b'"\xc3\xa9"', b"\xff", b"NaN", b"", b"{"):
+            self.assertEqual(_outcome(loads, data), _outcome(json.loads, data), data)

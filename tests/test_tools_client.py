@@ -134,6 +134,16 @@ class ClientTest(_ServerTest):
             await Client(self.url, self.pool, token="t\r\nX-Injected: 1").request("GET", "/a")
         self.assertEqual(self.site.connections, 0)
 
+    def test_every_byte_that_breaks_a_line_is_caught(self) -> None:
+        """Space, each C0 control and DEL, anywhere in a word, are caught; every other byte is not."""
+        from synflow.tools.client import _breaks_a_line
+
+        for c in range(256):
+            breaks = c <= 0x20 or c == 0x7F
+            for word in (bytes([c]), b"/a" + bytes([c]), bytes([c]) + b"/a", b"/a" + bytes([c]) + b"b"):
+                self.assertEqual(_breaks_a_line(word), breaks, (c, word))
+        self.assertFalse(_breaks_a_line(b""))
+
     def test_needs_a_client_pool(self) -> None:
         self.assertIsInstance(self.pool, ClientPool)
         with self.assertRaises(TypeError):

@@ -26,6 +26,7 @@ from twisted.internet.defer import Deferred, gatherResults
 from twisted.web.client import Agent, HTTPConnectionPool
 
 from synflow.http.rpc_http import RpcHttpPool
+from synflow.json_encoding import loads
 
 PREFIX = "/_synflow/client/v1"
 #: Kept-alive connections per server address (the load generators keep up to 24 sends and 80 syncs in flight).
@@ -63,9 +64,13 @@ def _address(base_url: str) -> tuple[str, int, bytes]:
     return parts.hostname, port, parts.netloc.encode("ascii")
 
 
+#: The bytes that end a request line's word or a header: space, the C0 controls and DEL.
+_LINE_BREAKERS = bytes(range(0x21)) + b"\x7f"
+
+
 def _breaks_a_line(text: bytes) -> bool:
     """Whether ``text`` holds a space or a control character (it would end a request line's word or a header)."""
-    return any(c <= 0x20 or c == 0x7F for c in text)
+    return len(text.translate(None, _LINE_BREAKERS)) != len(text)
 
 
 def _request_bytes(method: str, path: str, authority: bytes, token: str | None, data: bytes | None,
@@ -126,7 +131,7 @@ class Client:
         response = await self.pool.calls.request_within(host, port, request, timeout, reactor)
         content = response.body
         try:
-            parsed = json.loads(content) if content else None
+            parsed = loads(content) if content else None
         except ValueError:
             parsed = content
         if response.code != 200:
