@@ -190,7 +190,8 @@ def main() -> int:
     parser.add_argument("--out", default=os.path.join(ROOT, "demo-out"))
     parser.add_argument("--free-ports", action="store_true", help="remap every port to a free one (for tests)")
     parser.add_argument("--drain-timeout", type=float, default=180.0)
-    parser.add_argument("--keep-running", action="store_true", help="leave both deployments running")
+    parser.add_argument("--keep-running", action="store_true",
+                        help="leave both deployments running (the token validators, which need them stopped, are skipped)")
     args = parser.parse_args()
 
     problems = check_java() + ([] if args.free_ports else check_ports(p + off for p in DEFAULT_PORTS for off in (0, PEER_PORT_OFFSET)))
@@ -235,13 +236,20 @@ def main() -> int:
         traffic_s = time.monotonic() - t0
         metric_urls = [f"http://127.0.0.1:{home_ports[p]}/metrics" for p in (9101, 9102, 9103, 9104, 9105)]
         hit_rate, hits, misses = cache_hit_rate(metric_urls)
-        step("stopping the deployments (audit logs are flushed on stop)")
-        if not args.keep_running:
+        verdicts: dict[str, tuple[int, dict]] = {}
+        if args.keep_running:
+            # Their audit logs are still open (flushed on stop): the validators need them whole.
+            print(f"demo: both deployments left running; the token validators need them stopped first: "
+                  f"`python -m synflow.tools.ctl stop .` in {home_dir} and in {peer_dir}", flush=True)
+            started = []
+        else:
+            step("stopping the deployments (audit logs are flushed on stop)")
             for directory in reversed(started):
                 ctl(directory, "stop")
             started = []
-        verdicts = run_validators([(name, os.path.join(directory, "var", "audit"), os.path.join(out, f"validator-{name}"))
-                                   for name, directory in (("localhost", home_dir), (PEER, peer_dir))])
+            verdicts = run_validators([(name, os.path.join(directory, "var", "audit"),
+                                        os.path.join(out, f"validator-{name}"))
+                                       for name, directory in (("localhost", home_dir), (PEER, peer_dir))])
         plot(report.latencies_ms, os.path.join(out, "latency.png"))
         code = write_report(out, args, report, traffic_s, hit_rate, hits, misses, verdicts)
         return code
@@ -264,7 +272,8 @@ def write_report(out: str, args: argparse.Namespace, report, traffic_s: float, h
 
     Args:
         report: the workload's :class:`~synflow.tools.workload.Report`.
-        verdicts: server name -> (validator exit code, its summary.json).
+        verdicts: server name -> (validator exit code, its summary.json); empty when
+            the validators were not run (``--keep-running``).
 
     Returns:
         0 if nothing was lost, duplicated or reordered, every send succeeded,
@@ -303,6 +312,8 @@ def write_report(out: str, args: argparse.Namespace, report, traffic_s: float, h
         violations = validator_violations(summary)
         verdict = "clean" if code == 0 else f"FAILED (exit {code})"
         lines.append(f"| token validator ({name}) | {verdict}; violations: {'?' if violations is None else violations} |")
+    if not verdicts:
+        lines.append("| token validators | not run: the deployments were left running (`--keep-running`) |")
     lines += ["", f"Traffic phase: {traffic_s:.1f} s. Latency plot: `latency.png`.", "",
               f"**Verdict: {'OK - nothing lost, no anomalies' if ok else 'FAILED'}**"]
     text = "\n".join(lines) + "\n"

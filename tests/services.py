@@ -233,3 +233,16 @@ class PrivateRedis:
                 self.proc.kill()
                 self.proc.wait(10)
         self.proc = None
+
+
+def processes_of(directory: str) -> list[str]:
+    """The command lines of the running processes a deployment in ``directory`` started (their pidfiles are under it).
+
+    Raises:
+        RuntimeError: ``pgrep`` failed (not "nothing matched"), so an empty answer would prove nothing.
+    """
+    found = subprocess.run(["pgrep", "-a", "-f", "--", f"--pidfile {os.path.abspath(directory)}/"],
+                           capture_output=True, text=True)
+    if found.returncode not in (0, 1):
+        raise RuntimeError(f"pgrep failed ({found.returncode}): {found.stderr.strip()}")
+    return found.stdout.splitlines()

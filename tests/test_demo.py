@@ -71,6 +71,14 @@ class WriteReportTest(SynchronousTestCase):
         self.assertIn("**Verdict: FAILED**", text)
         self.assertIn("| token validator (peer.localhost) | FAILED (exit 1); violations: 3 |", text)
 
+    def test_validators_not_run(self) -> None:
+        """No validator verdicts (--keep-running): the report says they were not run; the rest decides the verdict."""
+        code, text, data = self.write(_report(), {})
+        self.assertEqual(code, 0)
+        self.assertEqual(data["validator"], {})
+        self.assertIn("| token validators | not run: the deployments were left running (`--keep-running`) |", text)
+        self.assertNotIn("| token validator (", text)
+
     def test_federation_shortfall_fails(self) -> None:
         """Fewer federated deliveries than expected: exit 1 and verdict FAILED."""
         code, text, _ = self.write(_report(federated_delivered=119), {"localhost": (0, CLEAN)})

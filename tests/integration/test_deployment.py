@@ -19,6 +19,7 @@ from twisted.trial.unittest import TestCase
 from synflow.sharding import shard_for
 from synflow.tools.client import Client, new_pool
 from synflow.tools.deploy import DEFAULT_PORTS, free_port, make_deployment
+from tests import services
 from tests.cluster import Cluster, sleep, wait_until
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -102,10 +103,10 @@ class FreshInstallTest(TestCase):
                              "synflow_cache_hits", "synflow_federation_pdus_sent", "synflow_http_request_seconds"):
                 self.assertTrue(any(f.startswith(expected) for f in families), f"{name} /metrics lacks {expected}")
 
+        self.assertEqual(len(services.processes_of(deployment)), len(PROCESSES))
         stopped = subprocess.run([ctl, "stop", "."], cwd=deployment, capture_output=True, text=True, timeout=120)
         self.assertEqual(stopped.returncode, 0, stopped.stdout)
-        leftovers = subprocess.run(["pgrep", "-f", f"--config {deployment}"], capture_output=True, text=True).stdout
-        self.assertEqual(leftovers.strip(), "", "a process survived synflowctl stop")
+        self.assertEqual(services.processes_of(deployment), [], "a process survived synflowctl stop")
         for name in PROCESSES:
             self.assertFalse(os.path.exists(os.path.join(deployment, "var", "run", f"{name}.pid")))
 

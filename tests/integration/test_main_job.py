@@ -60,5 +60,31 @@ class MainJobTest(TestCase):
             self.assertIn(f"| token validator ({server}) | clean; violations: 0 |", text)
         self.assertIn("**Verdict: OK - nothing lost, no anomalies**", text)
         # Everything was stopped: no process of either deployment is left.
-        leftovers = subprocess.run(["pgrep", "-f", f"--config {out}"], capture_output=True, text=True).stdout
-        self.assertEqual(leftovers.strip(), "")
+        self.assertEqual(services.processes_of(out), [])
+
+    def test_keep_running_leaves_both_deployments_running(self):
+        """--keep-running: both deployments still serve after the report (validators skipped, said so); ctl stops them."""
+        out = os.path.abspath(self.mktemp())
+        result = subprocess.run(
+            [sys.executable, os.path.join(ROOT, "scripts", "demo.py"), "--messages", "40", "--users", "4",
+             "--rooms", "4", "--free-ports", "--keep-running", "--out", out],
+            capture_output=True, text=True, timeout=600, cwd=os.path.dirname(out),
+        )
+
+        def stop() -> None:
+            for server in ("localhost", "peer.localhost"):
+                subprocess.run([sys.executable, "-m", "synflow.tools.ctl", "stop", "."], cwd=os.path.join(out, server),
+                               capture_output=True, timeout=120)
+
+        self.addCleanup(stop)
+        self.assertEqual(result.returncode, 0, result.stdout[-4000:] + result.stderr[-4000:])
+        self.assertIn("both deployments left running", result.stdout)
+        with open(os.path.join(out, "report.json")) as f:
+            report = json.load(f)
+        self.assertTrue(report["ok"])
+        self.assertEqual(report["validator"], {})
+        with open(os.path.join(out, "report.md")) as f:
+            self.assertIn("| token validators | not run: the deployments were left running", f.read())
+        self.assertEqual(len(services.processes_of(out)), 8)  # 5 processes of localhost, 3 of the peer
+        stop()
+        self.assertEqual(services.processes_of(out), [])
