@@ -68,15 +68,15 @@ def loads(data: str | bytes) -> Any:
     ``json.loads`` runs its decoder's two whitespace matches around the C
     scanner and, for bytes, detects the encoding first; a value with no
     whitespace around it (what a server answers) goes to the scanner alone.
-    Anything else -- whitespace, another encoding, an error -- goes through
-    ``json.loads`` for the exact outcome and message.
+    Anything else -- whitespace, another encoding, an error, a ``bytearray``
+    -- goes through ``json.loads`` for the exact outcome and message.
     """
-    if _scan is not None:
+    if _scan is not None and (type(data) is bytes or type(data) is str):
         try:
             text = data.decode("utf-8") if type(data) is bytes else data
             value, end = _scan(text, 0)
-        except (StopIteration, ValueError, RecursionError, AttributeError):
-            pass  # settled below
+        except (StopIteration, ValueError, RecursionError):
+            pass  # settled below (UnicodeDecodeError is a ValueError)
         else:
             if end == len(text):
                 return value

@@ -55,6 +55,7 @@ class LoadsTest(SynchronousTestCase):
         self.assertEqual(_outcome(loads, data), _outcome(json.loads, data))
 
     def test_edge_cases(self):
-        """Trailing data, a byte-order mark, a lone value, invalid UTF-8 and NaN go as json.loads takes them."""
-        for data in (b'[1,2] x', b'\xef\xbb\xbf{"a":1}', "\ufeff{}", b'"\xc3\xa9"', b"\xff", b"NaN", b"", b"{"):
+        """Trailing data, a byte-order mark, a lone value, invalid UTF-8, NaN and a bytearray go as json.loads takes them."""
+        for data in (b'[1,2] x', b'\xef\xbb\xbf{"a":1}', "\ufeff{}", b'"\xc3\xa9"', b"\xff", b"NaN", b"", b"{",
+                     bytearray(b'{"a":1}'), bytearray(b"{")):
             self.assertEqual(_outcome(loads, data), _outcome(json.loads, data), data)

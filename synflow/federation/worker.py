@@ -166,9 +166,9 @@ def inbound_handler(db: Any, router: EventRouter, handler: ReplicationHandler, *
         result.raise_error()
 
     async def clear_backoff(origin: str) -> None:
-        # Only a server this one is backing off has anything to clear: a read, where
-        # every accepted transaction used to cost a write here, one in the owning
-        # sender and a command to every process.
+        # Only a server this one is backing off has anything to clear: one read per
+        # transaction, not a write here, a command to every process and a write in
+        # the owning sender.
         record = await destinations.get_destination(origin)
         if record is None or record.retry == RetryState():
             return
