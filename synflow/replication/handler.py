@@ -164,8 +164,6 @@ class ReplicationHandler:
         self._connected: dict[int, set[tuple[str, str]]] = {}
         self._warned_streams: set[str] = set()
         self._announced: dict[str, int] = {}
-        #: Per stream this process writes, the RDATA builder of its rows (stream and instance checked once).
-        self._rdata_builders: dict[str, Callable[[int | None, list[Any]], RdataCommand]] = {}
         self._persist_lock = DeferredLock()
         self._tick_call: IDelayedCall | None = None
         self._command_listeners: dict[type, list[Callable[[Connection, Any], object]]] = {}
@@ -564,21 +562,21 @@ class ReplicationHandler:
     # -- writing -------------------------------------------------------------------------------
 
     def _local_listener(self, stream: str) -> Callable[[list[Completed[FactPayload]], int], None]:
+        rdata = rdata_builder(stream, self.instance_name)  # this writer's rows of the stream
+
         def on_visible(visible: list[Completed[FactPayload]], position: int) -> None:
-            self._announce_local(stream, visible, position)
+            self._announce_local(stream, visible, position, rdata)
 
         return on_visible
 
-    def _announce_local(self, stream: str, visible: list[Completed[FactPayload]], position: int) -> None:
+    def _announce_local(self, stream: str, visible: list[Completed[FactPayload]], position: int,
+                        rdata: Callable[[int | None, list[Any]], RdataCommand]) -> None:
         view = self.views[stream]
         me = self.instance_name
         if self.guard is not None:
             self.guard.note_allocated(stream, position)
         announced = self._announced.get(stream, 0)
         cmds: list[AnyCommand] = []
-        rdata = self._rdata_builders.get(stream)
-        if rdata is None:
-            rdata = self._rdata_builders[stream] = rdata_builder(stream, me)
         append = cmds.append
         with write_batch:  # the announcement's lines go out in one write per connection
             try:
@@ -594,7 +592,7 @@ class ReplicationHandler:
                 if position > view.positions.get(me, 0):
                     self._apply(view, me, position, [])
                 if position > announced:
-                    cmds.append(PositionCommand(stream, me, announced, position))
+                    append(PositionCommand(stream, me, announced, position))
                     announced = position
             finally:  # what was built before a failure still goes out
                 self.send_commands(cmds)
