@@ -14,7 +14,9 @@ up -- even with ``timeout=0``, bounded by :data:`CATCH_UP_TIMEOUT_S` (or the
 request's timeout, if longer) -- so a token from any process reads its
 writes here too. With nothing new it then long-polls, up to its timeout,
 until an event in one of the user's rooms (or a membership change of the
-user) arrives.
+user) arrives. A long-poll is answered at the end of the reactor turn in
+which that event's position arrived: every position of the same turn is in
+the answer, not in the next sync.
 
 Every response is recorded in the audit log: reader, since, next_batch,
 delivered event IDs and the rooms the response covered.
@@ -30,7 +32,7 @@ from collections.abc import Callable
 
 import attrs
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
 from synflow.audit import AuditLog
 from synflow.errors import HttpApiError, TokenError
@@ -96,6 +98,9 @@ class SyncHandler:
         self._waiting_user: dict[str, set[_Waiter]] = {}
         #: Rows received since the last position: the waiters they concern are woken at the position.
         self._pending_rows: list[EventsRow] = []
+        #: Waiters a position woke, answered together once the positions of this reactor turn are in.
+        self._to_wake: list[_Waiter] = []
+        self._wake_call: IDelayedCall | None = None
         handler.add_row_handler("events", self._on_rows)
         handler.add_position_listener("events", self._on_position)
         self._position_waiters: list[Deferred[None]] = []
@@ -124,11 +129,24 @@ class SyncHandler:
                     woken.update(by_user[row.state_key])
             for waiter in woken:
                 self._forget(waiter)
-            for waiter in woken:
-                waiter.deferred.callback(None)
+            if woken:
+                # Answered at the end of this reactor turn, not now: the rest of what arrived with
+                # this position (the other transactions of the same read, the other writers' reads
+                # of the same poll) is applied first, so a sync woken by several of them answers
+                # once with all of them, rather than once now and again at once for the rest.
+                self._to_wake.extend(woken)
+                if self._wake_call is None:
+                    self._wake_call = self.clock.callLater(0, self._wake)
         waiters, self._position_waiters = self._position_waiters, []
         for d in waiters:
             d.callback(None)
+
+    def _wake(self) -> None:
+        self._wake_call = None
+        woken, self._to_wake = self._to_wake, []
+        for waiter in woken:
+            if not waiter.deferred.called:  # not expired or cancelled meanwhile
+                waiter.deferred.callback(None)
 
     # -- tokens --------------------------------------------------------------------------
 

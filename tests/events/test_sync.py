@@ -10,7 +10,7 @@ from twisted.internet.task import Clock, deferLater
 from twisted.trial.unittest import TestCase
 
 from synflow.events.sync import CATCH_UP_TIMEOUT_S, SyncHandler
-from synflow.replication.commands import PositionCommand
+from synflow.replication.commands import PositionCommand, RdataCommand
 from synflow.streams import EventsRow
 from synflow.tokens import StreamToken
 from tests.cluster import single_master_with_user
@@ -84,6 +84,41 @@ class CatchUpTest(TestCase):
         self.assertEqual((again.events, again.next_batch, reads), ([], first.next_batch, []))
 
 
+class OneTurnTest(TestCase):
+    """A long-poll woken by several transactions delivered in one read answers once, with all of them."""
+
+    timeout = 30
+
+    @inlineCallbacks
+    def test_transactions_of_one_read_are_in_one_answer(self):
+        master, alice = yield single_master_with_user(self)
+        room = yield ensureDeferred(alice.create_room())
+        first = yield ensureDeferred(alice.send(room, {"body": "1"}, "t1"))
+        second = yield ensureDeferred(alice.send(room, {"body": "2"}, "t2"))
+        store = master.worker.store
+        everything = yield store.get_events_in_window(None, {}, 0, {}, 2**62, 1000)
+        ordering = {e.event_id: e.stream_ordering for e in everything}
+        before = ordering[first["event_id"]] - 1
+        clock = Clock()
+        view, conn = positions_view("reader", clock, known={"master": before})
+        view.on_command(conn, PositionCommand("events", "master", before, before))  # connected, nothing new
+        sync = SyncHandler(store, view, master.instances, clock)
+        ids = yield master.instances.ids_for(["master"])
+        since = str(StreamToken.from_positions({ids["master"]: before}))
+        polled = ensureDeferred(sync.sync(alice.user_id, alice.user_id, since, 10_000, 10))
+        for _ in range(50):  # until the long-poll waits (its reads of the store run on the real reactor)
+            if sync.waiting:
+                break
+            yield _real(0.02)
+        self.assertEqual(sync.waiting, 1)
+        for sent in (first, second):  # two transactions, one read: one RDATA each
+            row = EventsRow(sent["event_id"], room, "m.room.message", None, alice.user_id, None)
+            view.on_command(conn, RdataCommand("events", "master", ordering[sent["event_id"]], row.to_wire()))
+        clock.advance(0)
+        result = yield polled
+        self.assertEqual([e.event_id for e in result.events], [first["event_id"], second["event_id"]])
+
+
 class _Handler:
     """The two hooks SyncHandler takes from a replication handler."""
 
@@ -113,8 +148,10 @@ class WakeUpTest(TestCase):
         self.sync = SyncHandler(None, self.handler, None, self.clock)  # type: ignore[arg-type]
 
     def rows(self, *rows: EventsRow) -> None:
+        """``rows`` at a position, then the end of the reactor turn."""
         self.handler.rows("master", 1, list(rows))
         self.handler.position("master", 1)
+        self.clock.advance(0)
 
     def test_woken_only_by_its_rooms_or_its_user(self) -> None:
         ab = self.sync._wait_for_news("@a:t", frozenset({"!a:t", "!b:t"}), 30)
@@ -137,7 +174,37 @@ class WakeUpTest(TestCase):
         self.handler.rows("master", 1, [_row("!a:t", 1)])
         self.assertNoResult(d)
         self.handler.position("master", 1)
+        self.assertNoResult(d)  # answered at the end of the turn
+        self.clock.advance(0)
         self.successResultOf(d)
+
+    def test_positions_of_one_turn_wake_once_at_its_end(self) -> None:
+        """Rows of several positions in one reactor turn wake each waiter once, after the last of them."""
+        ab = self.sync._wait_for_news("@a:t", frozenset({"!a:t", "!b:t"}), 30)
+        b = self.sync._wait_for_news("@b:t", frozenset({"!b:t"}), 30)
+        calls: list[str] = []
+        ab.addCallback(lambda _: calls.append("ab"))
+        b.addCallback(lambda _: calls.append("b"))
+        for n, room in enumerate(("!a:t", "!b:t", "!a:t"), start=1):
+            self.handler.rows("master", n, [_row(room, n)])
+            self.handler.position("master", n)
+        self.assertEqual((calls, self.sync.waiting), ([], 0))
+        self.assertEqual(len(self.clock.getDelayedCalls()), 3)  # the two waiters' timeouts, one wake-up
+        self.clock.advance(0)
+        self.assertEqual(sorted(calls), ["ab", "b"])
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_a_waiter_cancelled_before_the_wake_is_not_called(self) -> None:
+        """A sync cancelled (its client went away) between its position and the wake-up is left alone."""
+        kept = self.sync._wait_for_news("@a:t", frozenset({"!a:t"}), 30)
+        cancelled = self.sync._wait_for_news("@b:t", frozenset({"!a:t"}), 30)
+        self.handler.rows("master", 1, [_row("!a:t", 1)])
+        self.handler.position("master", 1)
+        cancelled.cancel()
+        self.failureResultOf(cancelled)
+        self.clock.advance(0)  # would raise AlreadyCalledError if the wake called it
+        self.successResultOf(kept)
+        self.assertEqual(self.clock.getDelayedCalls(), [])
 
     def test_expired_and_cancelled_waiters_are_forgotten(self) -> None:
         expired = self.sync._wait_for_news("@a:t", frozenset({"!a:t"}), 5)
