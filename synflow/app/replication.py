@@ -140,7 +140,7 @@ async def setup_replication(
 
     def fetch_allocated(stream: str) -> Deferred[int]:
         return db.run_interaction(f"stream_allocated_{stream}", last_allocated_txn, streams[stream],
-                                  read_only=True, idempotent=True)
+                                  one_statement=True, idempotent=True)
 
     handler = ReplicationHandler(
         me,

@@ -614,6 +614,35 @@ class Txn:
                             cb=cb, desc=self.desc)
 
 
+class _OneStatementTxn(Txn):
+    """A :class:`Txn` that runs a single statement (outside a transaction block: one snapshot)."""
+
+    _ran = False
+
+    def _one(self) -> None:
+        if self._ran:
+            raise StorageError(f"database interaction {self.desc} was declared to run one statement and ran a second")
+        self._ran = True
+
+    def execute(self, sql: str, args: Sequence[Any] = ()) -> None:
+        self._one()
+        super().execute(sql, args)
+
+    def execute_raw(self, sql: str) -> None:
+        self._one()
+        super().execute_raw(sql)
+
+    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
+        raise StorageError(f"database interaction {self.desc} was declared to only read, with one statement")
+
+    def insert_many(self, table: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+        self.executemany("", ())
+
+    def upsert_many(self, table: str, keys: Sequence[str], values: Sequence[str],
+                    rows: Iterable[Sequence[Any]]) -> None:
+        self.executemany("", ())
+
+
 # ------------------------------------------------------------------- Database
 
 
@@ -661,7 +690,8 @@ class Database:
         self._pool.start()
 
     def run_interaction(self, desc: str, func: Callable[..., Any], *args: Any,
-                        idempotent: bool = False, read_only: bool = False, **kwargs: Any) -> Deferred[Any]:
+                        idempotent: bool = False, read_only: bool = False, one_statement: bool = False,
+                        **kwargs: Any) -> Deferred[Any]:
         """Run ``func(txn, *args, **kwargs)`` in one transaction on a pool thread.
 
         The transaction commits when ``func`` returns and rolls back when it
@@ -675,6 +705,12 @@ class Database:
                 write lock, so readers in several processes run concurrently,
                 and on a SQLite file it runs on the reactor thread's own
                 connection, with no thread hand-over).
+            one_statement: ``func`` only reads, with a single statement (implies
+                ``read_only``). On PostgreSQL it then runs outside a transaction
+                block, one round trip and one statement for the server instead
+                of three (``BEGIN``, the statement, ``COMMIT``); one statement
+                sees one snapshot either way. A second statement raises
+                :class:`StorageError` (on every engine).
             idempotent: when True, a transient error (lost connection, lock
                 timeout, serialization failure) rolls back and reruns ``func``
                 up to :data:`MAX_RETRIES` times, after an exponential backoff
@@ -685,15 +721,20 @@ class Database:
             A Deferred firing with ``func``'s result, or failing with its
             exception (the driver's own, for database errors).
         """
+        read_only = read_only or one_statement
+
         def attempt(box: list[Txn]) -> Deferred[Any]:
             if read_only and self._inline_reads:
-                return self._read_inline(box, desc, func, args, kwargs)
-            return self._pool.runInteraction(self._interaction_txn, box, desc, func, args, kwargs, read_only)
+                return self._read_inline(box, desc, func, args, kwargs, one_statement)
+            if one_statement and self.engine.name == "postgres":
+                return self._pool.runWithConnection(self._autocommit_txn, box, desc, func, args, kwargs, True)
+            return self._pool.runInteraction(self._interaction_txn, box, desc, func, args, kwargs, read_only,
+                                             one_statement)
 
         return Deferred.fromCoroutine(self._run(desc, attempt, idempotent))
 
     def _read_inline(self, box: list[Txn], desc: str, func: Callable[..., Any], args: tuple[Any, ...],
-                     kwargs: dict[str, Any]) -> Deferred[Any]:
+                     kwargs: dict[str, Any], one_statement: bool = False) -> Deferred[Any]:
         """A read-only interaction on the reactor thread's own SQLite connection.
 
         Handing a read to the pool thread and back costs more CPU than most
@@ -710,7 +751,7 @@ class Database:
             conn.execute("PRAGMA busy_timeout = 0")  # never wait on the reactor thread
         cursor = conn.cursor()
         try:
-            result = self._interaction_txn(cursor, box, desc, func, args, kwargs, True)
+            result = self._interaction_txn(cursor, box, desc, func, args, kwargs, True, one_statement)
             conn.commit()
         except Exception as exc:
             try:
@@ -721,7 +762,8 @@ class Database:
                 return fail()
             if box:
                 box.pop()._fire(committed=False)
-            return self._pool.runInteraction(self._interaction_txn, box, desc, func, args, kwargs, True)
+            return self._pool.runInteraction(self._interaction_txn, box, desc, func, args, kwargs, True,
+                                             one_statement)
         finally:
             cursor.close()
         return succeed(result)
@@ -777,16 +819,17 @@ class Database:
     # -- on a pool thread
 
     def _interaction_txn(self, cursor: Any, box: list[Txn], desc: str, func: Callable[..., Any],
-                         args: tuple[Any, ...], kwargs: dict[str, Any], read_only: bool = False) -> Any:
-        txn = Txn(cursor, self.engine, desc)
+                         args: tuple[Any, ...], kwargs: dict[str, Any], read_only: bool = False,
+                         one_statement: bool = False) -> Any:
+        txn = _OneStatementTxn(cursor, self.engine, desc) if one_statement else Txn(cursor, self.engine, desc)
         box.append(txn)
         self.engine.begin_txn(cursor, read_only)
         return _check_sync(func, func(txn, *args, **kwargs))
 
     def _autocommit_txn(self, conn: Any, box: list[Txn], desc: str, func: Callable[..., Any],
-                        args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+                        args: tuple[Any, ...], kwargs: dict[str, Any], one_statement: bool = False) -> Any:
         cursor = conn.cursor()
-        txn = Txn(cursor, self.engine, desc)
+        txn = _OneStatementTxn(cursor, self.engine, desc) if one_statement else Txn(cursor, self.engine, desc)
         box.append(txn)
         self.engine.set_autocommit(conn, True)
         try:

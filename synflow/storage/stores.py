@@ -222,7 +222,7 @@ class DataStore:
         return self.db.run_interaction(
             "get_events_in_window", self._window_txn, None if rooms is None else list(rooms), dict(since),
             since_default, dict(upto),
-            upto_default, limit, read_only=True, idempotent=True,
+            upto_default, limit, one_statement=True, idempotent=True,
         )
 
     @staticmethod

@@ -363,6 +363,24 @@ class DatabaseTestsMixin:
         await self.assertFailure(db.run_interaction("txn", rolled_back_txn), Boom)
         self.assertEqual(await db.run_interaction("read", select_items_txn), [(1, "kept")])
 
+    async def test_one_statement_reads_and_refuses_a_second_statement(self) -> None:
+        """A ``one_statement`` read returns what a transaction reads; a second statement, or a write, fails it."""
+        db = await self.make_db()
+        await db.run_interaction("insert", insert_item_txn, 1, "a")
+        self.assertEqual(await db.run_interaction("read", select_items_txn, one_statement=True), [(1, "a")])
+
+        def two_txn(txn: Txn) -> None:
+            txn.execute("SELECT 1")
+            txn.execute("SELECT 2")
+
+        failure = await self.assertFailure(db.run_interaction("two", two_txn, one_statement=True), StorageError)
+        self.assertIn("two was declared to run one statement and ran a second", str(failure))
+        for write in (lambda txn: txn.insert_many("items", ["id"], [(2,)]),
+                      lambda txn: txn.upsert_many("items", ["id"], [], [(2,)]),
+                      lambda txn: txn.executemany("INSERT INTO items (id) VALUES (?)", [(2,)])):
+            await self.assertFailure(db.run_interaction("write", write, one_statement=True), StorageError)
+        self.assertEqual(await db.run_interaction("read", select_items_txn), [(1, "a")])
+
     async def test_idempotent_retries_transient_errors(self) -> None:
         """An idempotent interaction is rerun after transient errors, each failed attempt firing its exception callbacks."""
         clock = Clock()
@@ -582,6 +600,23 @@ class PostgresDatabaseTests(DatabaseTestsMixin, TestCase):
         import psycopg2
 
         return psycopg2.IntegrityError
+
+    async def test_one_statement_runs_outside_a_transaction_block(self) -> None:
+        """On PostgreSQL a ``one_statement`` read is sent alone (no BEGIN/COMMIT); a plain read opens a block."""
+        import psycopg2.extensions as ext
+
+        db = await self.make_db()
+
+        def status_txn(txn: Txn) -> int:
+            txn.execute("SELECT 1")
+            return int(txn._cursor.connection.get_transaction_status())
+
+        self.assertEqual(await db.run_interaction("alone", status_txn, one_statement=True),
+                         ext.TRANSACTION_STATUS_IDLE)
+        self.assertEqual(await db.run_interaction("block", status_txn, read_only=True),
+                         ext.TRANSACTION_STATUS_INTRANS)
+        # and the pool's connection is transactional again afterwards
+        self.assertEqual(await db.run_interaction("block", status_txn), ext.TRANSACTION_STATUS_INTRANS)
 
     async def kill_backend(self, db: Database) -> int:
         """Terminate the PostgreSQL backend serving the pool's only connection."""
