@@ -29,8 +29,11 @@ from typing import Any, Final
 from urllib.parse import unquote
 
 from twisted.internet.defer import Deferred
-from twisted.web.resource import Resource
+from twisted.python.failure import Failure
+from twisted.web.http import datetimeToString
+from twisted.web.resource import Resource, _IEncodingResource
 from twisted.web.server import NOT_DONE_YET, Request, Site
+from twisted.web.server import version as server_version
 
 from synflow.errors import (
     BadEvent,
@@ -123,6 +126,36 @@ class LimitedRequest(Request):
         self._parsePOSTFormSubmission = False
         self.arrived = time.monotonic()
 
+    def process(self) -> None:
+        """twisted.web's ``Request.process``, with less done per request.
+
+        The ``Date`` header is formatted once a second, not per request. A
+        site root that has ``resource_for(request)`` (:class:`~synflow.http.site.PrefixRoot`)
+        picks the resource itself, from the raw path, instead of twisted.web
+        unquoting every path segment and walking the tree one segment at a
+        time (the root sets ``postpath`` from the raw path either way).
+        """
+        site: Site = self.channel.site  # type: ignore[attr-defined]  # set by Site.buildProtocol
+        resource_for = getattr(site.resource, "resource_for", None)
+        if resource_for is None or self.path == b"*":
+            Request.process(self)
+            return
+        self.site = site
+        self.setHeader(b"Server", server_version)
+        self.setHeader(b"Date", _http_date())
+        self.prepath = []
+        self.sitepath: list[bytes] = []
+        self.postpath = []
+        try:
+            resrc = resource_for(self)
+            if _IEncodingResource.providedBy(resrc):
+                encoder = resrc.getEncoder(self)
+                if encoder is not None:
+                    self._encoder = encoder
+            self.render(resrc)
+        except BaseException:
+            self.processingFailed(Failure())
+
     def gotLength(self, length: int | None) -> None:
         limit = _limit(self)
         if length is not None and length > limit:
@@ -137,6 +170,18 @@ class LimitedRequest(Request):
             self.too_large = True
             return
         super().handleContentChunk(data)
+
+
+_date: list[Any] = [None, b""]
+
+
+def _http_date() -> bytes:
+    """The ``Date`` header's value for now (formatted once a second)."""
+    now = int(time.time())
+    if now != _date[0]:
+        _date[0], _date[1] = now, datetimeToString(now)
+    cached: bytes = _date[1]
+    return cached
 
 
 def no_delay(transport: Any) -> None:

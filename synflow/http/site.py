@@ -24,7 +24,7 @@ from typing import Any
 
 from prometheus_client import REGISTRY
 from prometheus_client.twisted import MetricsResource
-from twisted.web.resource import Resource
+from twisted.web.resource import Resource, getChildForRequest
 from twisted.web.server import Request
 
 from synflow.http.server import JsonSite, LimitedRequest
@@ -51,6 +51,14 @@ class PrefixRoot(Resource):
         """The ``max_body_bytes`` declared by the resource serving ``path``, if it declares one."""
         match = self._match(path)
         return getattr(match[1], "max_body_bytes", None) if match is not None else None
+
+    def resource_for(self, request: Request) -> Resource:
+        """The resource serving ``request`` (:class:`~synflow.http.server.LimitedRequest` asks directly).
+
+        The same resource twisted.web's walk from this root finds: the mounted
+        one, then, if it is not a leaf, its children along the rest of the path.
+        """
+        return getChildForRequest(self.getChildWithDefault(b"", request), request)
 
     def getChildWithDefault(self, path: bytes, request: Request) -> Resource:
         full = request.path
