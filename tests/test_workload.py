@@ -1,0 +1,68 @@
+"""The load generator's sends: what it retries, how long, and with which transaction ID."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twisted.internet.defer import ensureDeferred, succeed
+from twisted.internet.error import ConnectionRefusedError
+from twisted.trial.unittest import TestCase
+
+from synflow.tools import workload as workload_module
+from synflow.tools.client import ApiError
+from synflow.tools.workload import SEND_RETRY_DELAYS_S, UserState, Workload
+
+
+class _FlakyClient:
+    """A client whose sends fail with ``failures`` in turn, then succeed; it records each send's txn ID."""
+
+    def __init__(self, failures: list[Exception]) -> None:
+        self.failures = list(failures)
+        self.txns: list[str] = []
+
+    def at(self, url: str) -> _FlakyClient:
+        return self
+
+    async def send(self, room_id: str, content: dict[str, Any], txn: str) -> dict[str, Any]:
+        self.txns.append(txn)
+        if self.failures:
+            raise self.failures.pop(0)
+        return {"event_id": "$sent"}
+
+
+class SendRetryTest(TestCase):
+    def setUp(self) -> None:
+        self.workload = Workload(["http://127.0.0.1:1"], users=1, rooms=1, messages=1)
+        self.addCleanup(self.workload.pool.closeCachedConnections)
+        self.pauses: list[float] = []
+        self.patch(workload_module, "deferLater", lambda _r, s, f: self.pauses.append(s) or succeed(f()))
+
+    def send(self, failures: list[Exception]) -> _FlakyClient:
+        client = _FlakyClient(failures)
+        sender = UserState(client)  # type: ignore[arg-type]
+        self.workload.sent["!r"] = []
+        self.successResultOf(ensureDeferred(self.workload._send("!r", sender, "http://x", 7, [0])))
+        return client
+
+    def test_a_restart_long_outage_is_ridden_out(self) -> None:
+        """Transport errors and 5xx on every attempt but the last are retried, same txn, after each pause in turn."""
+        errors: list[Exception] = [ConnectionRefusedError()] * 4 + [ApiError(503, {})] * 3
+        client = self.send(errors)
+        self.assertEqual(self.workload.sent["!r"], ["$sent"])
+        self.assertEqual((self.workload.send_errors, self.workload.send_retries), (0, 7))
+        self.assertEqual(self.pauses, list(SEND_RETRY_DELAYS_S))
+        self.assertGreater(sum(SEND_RETRY_DELAYS_S), 5.0)  # longer than a process's restart
+        self.assertEqual(set(client.txns), {"u-7"})
+
+    def test_gives_up_after_the_last_attempt_without_a_pause(self) -> None:
+        self.send([ConnectionRefusedError()] * (len(SEND_RETRY_DELAYS_S) + 1))
+        self.assertEqual((self.workload.sent["!r"], self.workload.send_errors), ([], 1))
+        self.assertEqual(self.pauses, list(SEND_RETRY_DELAYS_S))
+
+    def test_a_refusal_is_not_retried(self) -> None:
+        client = self.send([ApiError(403, {"errcode": "M_FORBIDDEN"})])
+        self.assertEqual((self.workload.send_errors, self.pauses, len(client.txns)), (1, [], 1))
+
+    def test_rate_limited_sends_are_retried(self) -> None:
+        self.send([ApiError(429, {"errcode": "M_LIMIT_EXCEEDED"})])
+        self.assertEqual((self.workload.sent["!r"], self.pauses), (["$sent"], [SEND_RETRY_DELAYS_S[0]]))
