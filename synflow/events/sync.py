@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 import attrs
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.interfaces import IReactorTime
 
 from synflow.audit import AuditLog
 from synflow.errors import HttpApiError, TokenError
@@ -98,9 +98,9 @@ class SyncHandler:
         self._waiting_user: dict[str, set[_Waiter]] = {}
         #: Rows received since the last position: the waiters they concern are woken at the position.
         self._pending_rows: list[EventsRow] = []
-        #: Waiters a position woke, answered together once the positions of this reactor turn are in.
+        #: Waiters a position woke, answered together once the positions of this reactor turn are in
+        #: (not empty exactly while that answer is scheduled).
         self._to_wake: list[_Waiter] = []
-        self._wake_call: IDelayedCall | None = None
         handler.add_row_handler("events", self._on_rows)
         handler.add_position_listener("events", self._on_position)
         self._position_waiters: list[Deferred[None]] = []
@@ -134,15 +134,14 @@ class SyncHandler:
                 # this position (the other transactions of the same read, the other writers' reads
                 # of the same poll) is applied first, so a sync woken by several of them answers
                 # once with all of them, rather than once now and again at once for the rest.
+                if not self._to_wake:
+                    self.clock.callLater(0, self._wake)
                 self._to_wake.extend(woken)
-                if self._wake_call is None:
-                    self._wake_call = self.clock.callLater(0, self._wake)
         waiters, self._position_waiters = self._position_waiters, []
         for d in waiters:
             d.callback(None)
 
     def _wake(self) -> None:
-        self._wake_call = None
         woken, self._to_wake = self._to_wake, []
         for waiter in woken:
             if not waiter.deferred.called:  # not expired or cancelled meanwhile

@@ -632,15 +632,18 @@ class _OneStatementTxn(Txn):
         self._one()
         super().execute_raw(sql)
 
-    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
+    def _writes(self) -> None:
         raise StorageError(f"database interaction {self.desc} was declared to only read, with one statement")
 
+    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
+        self._writes()
+
     def insert_many(self, table: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
-        self.executemany("", ())
+        self._writes()
 
     def upsert_many(self, table: str, keys: Sequence[str], values: Sequence[str],
                     rows: Iterable[Sequence[Any]]) -> None:
-        self.executemany("", ())
+        self._writes()
 
 
 # ------------------------------------------------------------------- Database

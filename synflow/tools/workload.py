@@ -33,14 +33,16 @@ from twisted.internet.defer import (
 )
 from twisted.internet.task import deferLater
 
+from synflow.backoff import Backoff
 from synflow.sharding import shard_for
 from synflow.tools.client import ApiError, Client, new_pool
 
-#: A send that meets a 5xx, a 429 or a transport error is retried with the same
-#: transaction ID after each of these pauses in turn (about 9 s in all): longer
-#: than a process takes to restart, so a client rides out a restart of the
-#: process it sends through, as a real client would.
-SEND_RETRY_DELAYS_S = (0.2, 0.4, 0.8, 1.6, 2.0, 2.0, 2.0)
+#: A send that meets a 5xx, a 429 or a transport error is tried up to this many
+#: times with the same transaction ID, pausing :data:`SEND_BACKOFF` between tries
+#: (0.2, 0.4, 0.8, 1.6, then 2 s: about 9 s in all), longer than a process takes
+#: to restart, so a client rides out a restart of the process it sends through.
+SEND_ATTEMPTS = 8
+SEND_BACKOFF = Backoff(initial_s=0.2, multiplier=2.0, max_s=2.0, jitter=0.0)
 
 
 @attrs.define
@@ -273,7 +275,7 @@ class Workload:
     async def _send(self, room_id: str, sender: UserState, url: str, n: int, done: list[int]) -> None:
         t0 = time.monotonic()
         txn = f"{self.name_prefix}-{n}"
-        attempts = len(SEND_RETRY_DELAYS_S) + 1
+        attempts = SEND_ATTEMPTS
         for attempt in range(attempts):
             try:
                 result = await sender.client.at(url).send(room_id, {"body": f"message {n}", "n": n}, txn)
@@ -287,7 +289,7 @@ class Workload:
             if attempt + 1 < attempts:
                 self.send_retries += 1
                 self.retried[txn] = room_id
-                await deferLater(reactor, SEND_RETRY_DELAYS_S[attempt], lambda: None)
+                await deferLater(reactor, SEND_BACKOFF.base_delay(attempt + 1), lambda: None)
         else:
             self.send_errors += 1
             return
