@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 from twisted.trial import unittest
 
@@ -87,3 +89,56 @@ class MainjobSamplesTest(unittest.SynchronousTestCase):
         self.assertAlmostEqual(by_process["driver"], 0.2)
         # What each process used over the whole traffic: from the first sample to the last.
         self.assertEqual(samples.spent(), {"master": 1.6, "driver": 0.5})
+
+
+class ProcessGroupCleanupTest(unittest.SynchronousTestCase):
+    """A child leading its own process group is recorded, so the runner kills it if the benchmark dies.
+
+    The runner kills a repetition's process group when it is interrupted or
+    times out; a child the benchmark started in a group of its own (the
+    Spark sizes) is outside it, and used to keep running.
+    """
+
+    def setUp(self) -> None:
+        sys.path.insert(0, ROOT)
+        self.addCleanup(sys.path.remove, ROOT)
+        self.tmp = tempfile.mkdtemp(prefix="synflow-bench-cleanup-")
+        self.addCleanup(shutil.rmtree, self.tmp, True)
+        self.record = os.path.join(self.tmp, "cleanup")
+        os.environ["SYNFLOW_BENCH_CLEANUP"] = self.record
+        self.addCleanup(os.environ.pop, "SYNFLOW_BENCH_CLEANUP", None)
+
+    def _group_alive(self, pgid: int) -> bool:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def test_an_orphaned_group_is_killed_by_the_cleanup(self) -> None:
+        from scripts.benchmarks.common import Children, run_cleanups
+
+        children = Children(self.tmp)
+        # A leader and a grandchild of its own, as a Spark size's validator and its JVM.
+        child = children.spawn("group", ["sh", "-c", "sleep 300 & sleep 300"], group=True)
+        self.addCleanup(lambda: self._group_alive(child.pid) and os.killpg(child.pid, signal.SIGKILL))
+        self.assertTrue(self._group_alive(child.pid))
+        # The benchmark process dies without stopping its children (SIGKILL from the runner).
+        done = run_cleanups(self.record)
+        self.assertEqual(done, [f"process_group {child.pid}"])
+        child.proc.wait(10)
+        for _ in range(100):
+            if not self._group_alive(child.pid):
+                break
+            time.sleep(0.05)
+        self.assertFalse(self._group_alive(child.pid), "the grandchild survived")
+        self.assertFalse(os.path.exists(self.record))
+
+    def test_a_group_stopped_normally_is_not_killed_again(self) -> None:
+        from scripts.benchmarks.common import Children, run_cleanups
+
+        with Children(self.tmp) as children:
+            child = children.spawn("group", ["sh", "-c", "sleep 300"], group=True)
+        self.assertFalse(self._group_alive(child.pid))
+        # Its ID may belong to another group by now: the record says it is done.
+        self.assertEqual(run_cleanups(self.record), [])

@@ -188,6 +188,8 @@ class Children:
                                 stdin=subprocess.DEVNULL, cwd=cwd or self.workdir, env=full_env, text=True,
                                 start_new_session=group)
         log.close()
+        if group:  # outside the runner's process group: killed by the runner's cleanup if this process dies
+            note_cleanup("process_group", str(proc.pid))
         child = Child(name, proc, log_path, group)
         self.children.append(child)
         return child
@@ -210,6 +212,7 @@ class Children:
                 child.proc.wait(5)
             if child.group:
                 child.signal(signal.SIGKILL)
+                note_cleanup("process_group_done", str(child.pid))  # its ID may be reused from now on
             if child.proc.stdout is not None:
                 child.proc.stdout.close()
 
@@ -303,17 +306,32 @@ def run_cleanups(path: str) -> list[str]:
         return done
     with open(path, encoding="utf-8") as f:
         records = [json.loads(line) for line in f if line.strip()]
+    gone = {rec["value"] for rec in records if rec["kind"] == "process_group_done"}
     for rec in records:
+        if rec["kind"] == "process_group_done" or (rec["kind"] == "process_group" and rec["value"] in gone):
+            continue
         try:
             if rec["kind"] == "pg_db":
                 drop_database(rec["value"])
             elif rec["kind"] == "redis_prefix":
                 redis_delete_prefix(rec["value"])
+            elif rec["kind"] == "process_group":
+                if not _kill_group(int(rec["value"])):
+                    continue  # long gone: nothing was done
             done.append(f"{rec['kind']} {rec['value']}")
         except Exception as e:  # best effort: report and go on
             done.append(f"{rec['kind']} {rec['value']}: {e}")
     os.unlink(path)
     return done
+
+
+def _kill_group(pgid: int) -> bool:
+    """SIGKILL process group ``pgid`` if it still exists; whether it did."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 # -- PostgreSQL and Redis -----------------------------------------------------------------------
