@@ -141,6 +141,9 @@ class _RoomState:
     created_ts: int = 0
     latest_event_id: str | None = None
     depth: int = 0
+    #: The content text of the room's current join rules and power levels (``rooms``' columns), or None.
+    join_rules: str | None = None
+    power_levels: str | None = None
 
     @property
     def members(self) -> dict[str, str]:
@@ -169,29 +172,27 @@ def _load_rooms_txn(txn: Any, room_ids: set[str]) -> dict[str, _RoomState]:
     rooms = {r: _RoomState(RoomView(r)) for r in room_ids}
     ids = sorted(room_ids)
     txn.execute(
-        f"SELECT room_id, creator, created_ts, latest_event_id, latest_depth FROM rooms WHERE room_id IN ({_marks(len(ids))})",
+        "SELECT room_id, creator, created_ts, latest_event_id, latest_depth, join_rules, power_levels "
+        f"FROM rooms WHERE room_id IN ({_marks(len(ids))})",
         ids,
     )
-    for room_id, creator, created_ts, latest, depth in txn.fetchall():
-        rooms[room_id] = _RoomState(RoomView(room_id, True, creator), int(created_ts), latest, int(depth))
+    for room_id, creator, created_ts, latest, depth, join_rules, power_levels in txn.fetchall():
+        room = rooms[room_id] = _RoomState(RoomView(room_id, True, creator), int(created_ts), latest, int(depth),
+                                           join_rules, power_levels)
+        for event_type, content in ((auth.JOIN_RULES, join_rules), (auth.POWER_LEVELS, power_levels)):
+            if content is None:
+                continue
+            # State stored before the rules existed may not parse: it then counts as absent.
+            value = _parsed_rule(event_type, content)
+            if isinstance(value, JoinRule):
+                room.view.join_rule = value
+            elif isinstance(value, PowerLevels):
+                room.view.power_levels = value
+            else:
+                logger.warning("ignoring unparsable %s of room %s: %s", event_type, room_id, value)
     txn.execute(f"SELECT room_id, user_id, membership FROM room_memberships WHERE room_id IN ({_marks(len(ids))})", ids)
     for room_id, user_id, membership in txn.fetchall():
         rooms[room_id].members[user_id] = membership
-    txn.execute(
-        "SELECT cs.room_id, cs.type, e.content FROM current_state cs JOIN events e ON e.event_id = cs.event_id "
-        f"WHERE cs.room_id IN ({_marks(len(ids))}) AND cs.state_key = '' AND cs.type IN (?, ?)",
-        (*ids, auth.JOIN_RULES, auth.POWER_LEVELS),
-    )
-    for room_id, event_type, content in txn.fetchall():
-        view = rooms[room_id].view
-        # State stored before the rules existed may not parse: it then counts as absent.
-        value = _parsed_rule(event_type, content)
-        if isinstance(value, JoinRule):
-            view.join_rule = value
-        elif isinstance(value, PowerLevels):
-            view.power_levels = value
-        else:
-            logger.warning("ignoring unparsable %s of room %s: %s", event_type, room_id, value)
     return rooms
 
 
@@ -356,15 +357,21 @@ def _write_txn(ctx: StreamWriteContext, accepted: list[_Accepted], ids: list[int
     changed: dict[str, dict[str, None]] = {}
     for stream_id, a in zip(ids, accepted, strict=True):
         spec = a.spec
+        content = compact_json(spec.content)
         events.append((
             stream_id, instance_name, a.event_id, spec.room_id, spec.type, spec.state_key, spec.sender,
-            spec.membership, compact_json(spec.content), spec.origin_server_ts, spec.origin,
+            spec.membership, content, spec.origin_server_ts, spec.origin,
             a.prev_event_id, a.depth, now_ms, None if a.destinations is None else json.dumps(a.destinations),
         ))
         heads[spec.room_id] = (a.event_id, a.depth, stream_id)
         if spec.state_key is not None:
             state.append((spec.room_id, spec.type, spec.state_key, a.event_id))
             changed.setdefault(spec.room_id, {})
+            if spec.state_key == "":  # the room's rules follow current_state, in the same transaction
+                if spec.type == auth.JOIN_RULES:
+                    rooms[spec.room_id].join_rules = content
+                elif spec.type == auth.POWER_LEVELS:
+                    rooms[spec.room_id].power_levels = content
         if a.sender_vouched:
             members.append((spec.room_id, spec.sender, server_of(spec.sender), "join", a.event_id, stream_id))
             changed.setdefault(spec.room_id, {})[spec.sender] = None
@@ -383,8 +390,11 @@ def _write_txn(ctx: StreamWriteContext, accepted: list[_Accepted], ids: list[int
         )
     txn.insert_many("events", EVENT_COLUMNS, events)
     txn.upsert_many(
-        "rooms", ("room_id",), ("creator", "created_ts", "latest_event_id", "latest_depth", "latest_stream_ordering"),
-        [(r, rooms[r].view.creator, rooms[r].created_ts, *head) for r, head in heads.items()],
+        "rooms", ("room_id",),
+        ("creator", "created_ts", "latest_event_id", "latest_depth", "latest_stream_ordering", "join_rules",
+         "power_levels"),
+        [(r, rooms[r].view.creator, rooms[r].created_ts, *head, rooms[r].join_rules, rooms[r].power_levels)
+         for r, head in heads.items()],
     )
     txn.upsert_many("current_state", ("room_id", "type", "state_key"), ("event_id",), state)
     txn.upsert_many("room_memberships", ("room_id", "user_id"),

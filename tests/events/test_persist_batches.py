@@ -141,6 +141,7 @@ class PersistBatchMixin:
                             (-1 - n, P1, event_id, room, event_type, ALICE, content, HS))
                 txn.execute("INSERT INTO current_state (room_id, type, state_key, event_id) VALUES (?, ?, '', ?)",
                             (room, event_type, event_id))
+            txn.execute_raw(_migration_0005_backfill())  # what the migration makes of such a database
 
         await db.run_interaction("corrupt", corrupt)
         (sent,) = await persister.persist([message(room, "still works")])
@@ -149,6 +150,139 @@ class PersistBatchMixin:
                                                        f"@bob:{HS}", HS, 1)])
         assert joined.error is not None
         self.assertEqual((refusal_status(joined.error), joined.error.errcode), (403, "M_FORBIDDEN"))  # the default rule: invite
+
+
+    async def _rules_columns(self, db: Database, room: str) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """The room's rules columns, and the content of the events current_state holds for them."""
+        def read(txn: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+            txn.execute("SELECT join_rules, power_levels FROM rooms WHERE room_id = ?", (room,))
+            columns = tuple(txn.fetchone())
+            state = []
+            for event_type in ("m.room.join_rules", "m.room.power_levels"):
+                txn.execute("SELECT e.content FROM current_state cs JOIN events e ON e.event_id = cs.event_id "
+                            "WHERE cs.room_id = ? AND cs.type = ? AND cs.state_key = ''", (room, event_type))
+                row = txn.fetchone()
+                state.append(None if row is None else row[0])
+            return columns, tuple(state)
+
+        got: tuple[tuple[Any, ...], tuple[Any, ...]] = await db.run_interaction("rules", read)
+        return got
+
+    async def test_rules_are_read_with_the_room_and_follow_current_state(self) -> None:
+        """The rooms row carries the content of the current join rules and power levels, changed with the state.
+
+        The persist transaction reads a room's rules from its row: a join
+        refused under the default rule (invite) is allowed once the rules say
+        public, and refused again once they say invite, each in a later
+        transaction; in every batch the columns equal current_state's
+        events' content, and a state event with a state key leaves them be.
+        """
+        db, persister = await self._persister()
+        room = f"!rules:{HS}"
+        bob = f"@bob:{HS}"
+        await persister.persist(create(room))
+        self.assertEqual(await self._rules_columns(db, room), ((None, None), (None, None)))
+
+        def join(user: str) -> EventSpec:
+            return EventSpec(room, "m.room.member", user, {"membership": "join"}, user, HS, 1)
+
+        def rules(rule: str, sender: str = ALICE) -> EventSpec:
+            return EventSpec(room, "m.room.join_rules", sender, {"join_rule": rule}, "", HS, 1)
+
+        (refused,) = await persister.persist([join(bob)])
+        self.assertIsNotNone(refused.error)
+        levels = EventSpec(room, "m.room.power_levels", ALICE, {"users": {ALICE: 100}, "state_default": 50}, "", HS, 1)
+        results = await persister.persist([levels, rules("public")])
+        self.assertEqual([r.error for r in results], [None, None])
+        columns, state = await self._rules_columns(db, room)
+        self.assertEqual(columns, ('{"join_rule":"public"}', '{"users":{"@alice:hs.test":100},"state_default":50}'))
+        self.assertEqual(columns, state)
+
+        (joined,) = await persister.persist([join(bob)])
+        self.assertIsNone(joined.error)
+        # A state event of the same type with a state key is not the room's rule.
+        results = await persister.persist([EventSpec(room, "m.room.join_rules", ALICE, {"join_rule": "invite"},
+                                                     "other", HS, 1), rules("invite")])
+        self.assertEqual([r.error for r in results], [None, None])
+        columns, state = await self._rules_columns(db, room)
+        self.assertEqual(columns[0], '{"join_rule":"invite"}')
+        self.assertEqual(columns, state)
+        (refused,) = await persister.persist([join(f"@carol:{HS}")])
+        assert refused.error is not None
+        self.assertEqual((refusal_status(refused.error), refused.error.errcode), (403, "M_FORBIDDEN"))
+
+    async def test_a_refused_rules_change_leaves_the_columns(self) -> None:
+        """A join rules event the rules refuse (a sender without the power) changes neither the state nor the column."""
+        db, persister = await self._persister()
+        room = f"!refused:{HS}"
+        bob = f"@bob:{HS}"
+        await persister.persist(create(room))
+        await persister.persist([EventSpec(room, "m.room.power_levels", ALICE, {"users": {ALICE: 100}, "state_default": 50},
+                                           "", HS, 1),
+                                 EventSpec(room, "m.room.join_rules", ALICE, {"join_rule": "public"}, "", HS, 1)])
+        (joined,) = await persister.persist([EventSpec(room, "m.room.member", bob, {"membership": "join"}, bob, HS, 1)])
+        self.assertIsNone(joined.error)
+        (refused,) = await persister.persist([EventSpec(room, "m.room.join_rules", bob, {"join_rule": "invite"},
+                                                        "", HS, 1)])
+        self.assertIsNotNone(refused.error)
+        columns, state = await self._rules_columns(db, room)
+        self.assertEqual(columns[0], '{"join_rule":"public"}')
+        self.assertEqual(columns, state)
+
+    async def test_migration_fills_the_rules_columns_of_existing_rooms(self) -> None:
+        """Migration 0005 gives the rooms of a database made before it the content of their current rules."""
+        import glob
+        import os
+        import shutil
+
+        from synflow.storage.prepare import prepare_database
+
+        schema = os.path.join(os.path.dirname(registry.__file__), "storage", "schema")
+        before = self.mktemp()  # type: ignore[attr-defined]
+        os.makedirs(before)
+        for path in glob.glob(os.path.join(schema, "000[1-4]_*.sql")):
+            shutil.copy(path, before)
+        db = await make_database(self, self.engine, schema_dir=before)  # type: ignore[arg-type]
+        rows = {"!both:hs.test": ('{"join_rule":"public"}', '{"users":{}}'), "!none:hs.test": (None, None)}
+
+        def old_rooms(txn: Any) -> None:
+            n = 0
+            for room, (join_rules, power_levels) in rows.items():
+                txn.execute("INSERT INTO rooms (room_id, creator, created_ts) VALUES (?, ?, 1)", (room, ALICE))
+                for event_type, state_key, content in (("m.room.join_rules", "", join_rules),
+                                                       ("m.room.power_levels", "", power_levels),
+                                                       ("m.room.join_rules", "other", '{"join_rule":"knock"}')):
+                    if content is None:
+                        continue
+                    n += 1
+                    txn.execute("INSERT INTO events (stream_ordering, instance_name, event_id, room_id, type, "
+                                "state_key, sender, content, origin_server_ts, origin, depth, received_ts) "
+                                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 1, ?, 1, 1)",
+                                (n, P1, f"$old{n}", room, event_type, state_key, ALICE, content, HS))
+                    txn.execute("INSERT INTO current_state (room_id, type, state_key, event_id) VALUES (?, ?, ?, ?)",
+                                (room, event_type, state_key, f"$old{n}"))
+
+        await db.run_interaction("old rooms", old_rooms)
+        await prepare_database(db, apply=True)  # synflow's own schema: 0005 and any later
+
+        def columns(txn: Any) -> dict[str, tuple[Any, ...]]:
+            txn.execute("SELECT room_id, join_rules, power_levels FROM rooms")
+            return {r[0]: tuple(r[1:]) for r in txn.fetchall()}
+
+        self.assertEqual(await db.run_interaction("columns", columns), rows)
+
+
+def _migration_0005_backfill() -> str:
+    """The backfill statement of migration 0005 (``rooms.join_rules`` and ``power_levels`` from current_state)."""
+    import os
+
+    from synflow.storage.prepare import split_sql
+
+    path = os.path.join(os.path.dirname(registry.__file__), "storage", "schema", "0005_room_rules.sql")
+    with open(path, encoding="utf-8") as f:
+        statements = split_sql(f.read(), "sqlite")
+    (update,) = [st for st in statements if st.lstrip().startswith("UPDATE rooms")]
+    return update
 
 
 class SqlitePersistBatchTests(PersistBatchMixin, TestCase):
