@@ -1,11 +1,12 @@
-"""The load generator's sends: what it retries, how long, and with which transaction ID."""
+"""The load generator: what its sends retry, how long, with which transaction ID; and its draining syncs."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from twisted.internet.defer import ensureDeferred, succeed
+from twisted.internet.defer import Deferred, ensureDeferred, succeed
 from twisted.internet.error import ConnectionRefusedError
+from twisted.internet.task import Clock, deferLater
 from twisted.trial.unittest import TestCase
 
 from synflow.tools import workload as workload_module
@@ -69,3 +70,55 @@ class SendRetryTest(TestCase):
     def test_rate_limited_sends_are_retried(self) -> None:
         self.send([ApiError(429, {"errcode": "M_LIMIT_EXCEEDED"})])
         self.assertEqual((self.workload.sent["!r"], self.pauses), (["$sent"], [0.2]))
+
+
+class _HeldSyncs:
+    """A client whose syncs are answered when the test says; it records how many were in flight at once."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[str | None, Deferred[dict[str, Any]]]] = []
+        self.most_at_once = 0
+
+    def at(self, url: str) -> _HeldSyncs:
+        return self
+
+    def sync(self, since: str | None, timeout_ms: int) -> Deferred[dict[str, Any]]:
+        d: Deferred[dict[str, Any]] = Deferred()
+        self.pending.append((since, d))
+        self.most_at_once = max(self.most_at_once, len(self.pending))
+        return d
+
+    def answer(self) -> None:
+        """Answer every pending sync as a server would: the event after the beginning, nothing after ``t1``."""
+        pending, self.pending = self.pending, []
+        for since, d in pending:
+            events = [{"type": "m.room.message", "room_id": "!r", "event_id": "$e1"}] if since is None else []
+            d.callback({"events": events, "next_batch": "t1"})
+
+
+class DrainBesideChainsTest(TestCase):
+    """Draining while the sync chains still run makes no sync of its own beside a chain's."""
+
+    def test_no_second_sync_from_the_same_token(self) -> None:
+        clock = Clock()
+        self.patch(workload_module, "deferLater", lambda _r, s, f: deferLater(clock, s, f))
+        workload = Workload(["http://127.0.0.1:1"], users=1, rooms=1, messages=1)
+        self.addCleanup(workload.pool.closeCachedConnections)
+        client = _HeldSyncs()
+        user = UserState(client, rooms={"!r"})  # type: ignore[arg-type]
+        workload.users = [user]
+        workload.sent = {"!r": ["$e1"]}
+        chain = ensureDeferred(workload._chain(user))
+        drained = ensureDeferred(workload.drain(timeout_s=60))
+        clock.advance(0.05)
+        self.assertEqual(len(client.pending), 1)  # the chain's; the drain waits for it
+        client.answer()
+        clock.advance(0.05)
+        self.successResultOf(drained)
+        workload.stop_syncing()
+        client.answer()
+        self.successResultOf(chain)
+        self.assertEqual(client.most_at_once, 1)
+        report = workload.verify()
+        self.assertEqual((report.lost, report.duplicated), (0, 0))
+        self.assertFalse(user.chain_running)
