@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import os
+import shutil
 from typing import Any
 
 from twisted.internet import reactor
@@ -15,6 +17,7 @@ from synflow.http.server import refusal_status
 from synflow.storage.engines import Database
 from synflow.storage.id_generators import MultiWriterIdGenerator, StreamWriters
 from synflow.storage.instances import InstanceMap
+from synflow.storage.prepare import SCHEMA_DIR, prepare_database, split_sql
 from tests.dbutil import make_database
 
 HS = "hs.test"
@@ -231,16 +234,9 @@ class PersistBatchMixin:
 
     async def test_migration_fills_the_rules_columns_of_existing_rooms(self) -> None:
         """Migration 0005 gives the rooms of a database made before it the content of their current rules."""
-        import glob
-        import os
-        import shutil
-
-        from synflow.storage.prepare import prepare_database
-
-        schema = os.path.join(os.path.dirname(registry.__file__), "storage", "schema")
         before = self.mktemp()  # type: ignore[attr-defined]
         os.makedirs(before)
-        for path in glob.glob(os.path.join(schema, "000[1-4]_*.sql")):
+        for path in SCHEMA_DIR.glob("000[1-4]_*.sql"):
             shutil.copy(path, before)
         db = await make_database(self, self.engine, schema_dir=before)  # type: ignore[arg-type]
         rows = {"!both:hs.test": ('{"join_rule":"public"}', '{"users":{}}'), "!none:hs.test": (None, None)}
@@ -274,13 +270,7 @@ class PersistBatchMixin:
 
 def _migration_0005_backfill() -> str:
     """The backfill statement of migration 0005 (``rooms.join_rules`` and ``power_levels`` from current_state)."""
-    import os
-
-    from synflow.storage.prepare import split_sql
-
-    path = os.path.join(os.path.dirname(registry.__file__), "storage", "schema", "0005_room_rules.sql")
-    with open(path, encoding="utf-8") as f:
-        statements = split_sql(f.read(), "sqlite")
+    statements = split_sql((SCHEMA_DIR / "0005_room_rules.sql").read_text(encoding="utf-8"), "sqlite")
     (update,) = [st for st in statements if st.lstrip().startswith("UPDATE rooms")]
     return update
 
