@@ -41,8 +41,10 @@ from twisted.python.failure import Failure
 from synflow.caching import stats
 from synflow.caching.local import TOMBSTONE_CAPACITY, LruCache, Tombstones
 from synflow.caching.tier import TierClient
+from synflow.metrics import series
 
 logger = logging.getLogger(__name__)
+_tier_reads, _tier_fills = series(stats.TIER_READS), series(stats.TIER_FILLS)
 
 #: A cache's size when neither the config nor the decorator gives one
 #: (the same as ``CacheConfig.default_size``).
@@ -262,24 +264,23 @@ class CachedMethod:
 
     async def _tier_lookup(self, tier: TierClient, key: tuple[Any, ...]) -> Any:
         """The tier's value for ``key`` if it can be trusted here, else ``_NOTHING``."""
-        reads = stats.TIER_READS
         try:
             entry = await tier.lookup(self.name, key)
         except Exception as e:
             logger.warning("shared-tier look-up of %s%r failed; reading the database: %s", self.name, key, e)
-            reads.labels(cache=self.name, result="error").inc()
+            _tier_reads(self.name, "error").inc()
             return _NOTHING
         if entry is None:
-            reads.labels(cache=self.name, result="miss").inc()
+            _tier_reads(self.name, "miss").inc()
             return _NOTHING
         value, filled_at = entry
         assert self._tombstones is not None
         if not self._tombstones.allows(key, filled_at):
             # The value may predate an invalidation we have already applied
             # and the invalidator has not: caching it would keep it stale.
-            reads.labels(cache=self.name, result="distrusted").inc()
+            _tier_reads(self.name, "distrusted").inc()
             return _NOTHING
-        reads.labels(cache=self.name, result="hit").inc()
+        _tier_reads(self.name, "hit").inc()
         return value
 
     def _position(self) -> int | None:
@@ -292,16 +293,15 @@ class CachedMethod:
 
     def _fill(self, tier: TierClient, key: tuple[Any, ...], read: _Read, value: Any,
               position: int | None, started: float) -> None:
-        fills = stats.TIER_FILLS
         if read.stale or position is None or self._ctx.seconds() - started > self._ctx.fill_deadline_s:
-            fills.labels(cache=self.name, result="skipped").inc()
+            _tier_fills(self.name, "skipped").inc()
             return
 
         def done(stored: bool) -> None:
-            fills.labels(cache=self.name, result="stored" if stored else "refused").inc()
+            _tier_fills(self.name, "stored" if stored else "refused").inc()
 
         def failed(f: Failure) -> None:
-            fills.labels(cache=self.name, result="error").inc()
+            _tier_fills(self.name, "error").inc()
             logger.warning("shared-tier fill of %s%r failed: %s", self.name, key, f.getErrorMessage())
 
         maybeDeferred(tier.fill, self.name, key, value, position).addCallbacks(done, failed)

@@ -54,12 +54,13 @@ from synflow.federation.signing import (
     verify_request,
 )
 from synflow.http.site import PrefixRoot
-from synflow.metrics import counter
+from synflow.metrics import counter, series
 
 logger = logging.getLogger(__name__)
 
 REQUESTS = counter("synflow_federation_inbound_requests_total",
                    "Inbound federation requests by the signature check's outcome", ["outcome"])
+_requests = series(REQUESTS)
 
 #: Where the gate is mounted: every federation endpoint lives below it.
 FEDERATION_PREFIX = "/_matrix/federation"
@@ -178,7 +179,7 @@ class FederationAuthResource(Resource):
         raise HttpApiError(401, "M_UNAUTHORIZED", "; ".join(errors))
 
     def _dispatch(self, origin: str, request: Any, gone: list[bool]) -> None:
-        REQUESTS.labels(outcome="authenticated").inc()
+        _requests("authenticated").inc()
         if gone:
             return
         setattr(request, _ORIGIN_ATTR, origin)
@@ -197,7 +198,7 @@ class FederationAuthResource(Resource):
             error: HttpApiError = failure.value  # type: ignore[assignment]
             logger.info("refused federation %s %r: %s", request.method, request.path[:200], error.msg)
             code, body = error.code, error.to_json()
-            REQUESTS.labels(outcome="forbidden" if code == 403 else "unauthorized").inc()
+            _requests("forbidden" if code == 403 else "unauthorized").inc()
         else:
             logger.error("authenticating a federation request failed: %s", failure.getTraceback())
             code, body = 500, {"errcode": "M_UNKNOWN", "error": "internal error"}

@@ -44,8 +44,10 @@ from synflow.federation import metrics
 from synflow.federation.interfaces import DedupeStore, JsonDict
 from synflow.federation.pdus import INBOUND_PDUS_REFUSED, pdu_refusal
 from synflow.federation.policy import MAX_EDUS_PER_TRANSACTION, MAX_PDUS_PER_TRANSACTION
+from synflow.metrics import series
 
 logger = logging.getLogger(__name__)
+_inbound_transactions = series(metrics.INBOUND_TRANSACTIONS)
 
 #: The default bound on a request body (``federation.max_body_bytes``).
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024
@@ -315,7 +317,7 @@ class InboundTransactionHandler:
                 max_json_depth=self._max_json_depth,
             )
         except HttpApiError as e:
-            metrics.INBOUND_TRANSACTIONS.labels(outcome="rejected").inc()
+            _inbound_transactions("rejected").inc()
             logger.info("rejected /send %s from %s: %s", txn_id, origin, e.msg)
             return succeed((e.code, e.to_json()))
         self._remote_up(txn.origin)
@@ -323,7 +325,7 @@ class InboundTransactionHandler:
         running = self._in_progress.get(key)
         if running is not None:
             # The same transaction, resent while the first copy is handled.
-            metrics.INBOUND_TRANSACTIONS.labels(outcome="duplicate").inc()
+            _inbound_transactions("duplicate").inc()
             waiter: Deferred[tuple[int, JsonDict]] = Deferred()
             running.addBoth(_chain, waiter)
             return waiter
@@ -340,9 +342,9 @@ class InboundTransactionHandler:
     async def _handle(self, txn: Transaction) -> tuple[int, JsonDict]:
         stored = await self._store.get_response(txn.origin, txn.txn_id)
         if stored is not None:
-            metrics.INBOUND_TRANSACTIONS.labels(outcome="duplicate").inc()
+            _inbound_transactions("duplicate").inc()
             return stored
-        metrics.INBOUND_TRANSACTIONS.labels(outcome="accepted").inc()
+        _inbound_transactions("accepted").inc()
         results: dict[str, JsonDict] = {}
         rooms: dict[object, list[JsonDict]] = {}
         for pdu in txn.pdus:
@@ -364,7 +366,7 @@ class InboundTransactionHandler:
         if retry:
             # Not a PDU's fault (a persister is unreachable): fail the whole transaction,
             # unremembered, so the sender retries it; what was persisted is idempotent.
-            metrics.INBOUND_TRANSACTIONS.labels(outcome="retry").inc()
+            _inbound_transactions("retry").inc()
             logger.warning("/send %s from %s: %s; answering 503 for a retry", txn.txn_id, txn.origin, retry[0].msg)
             return 503, {"errcode": "M_UNKNOWN", "error": f"cannot persist now, retry: {retry[0].msg}"}
         if self._on_edu is not None:
@@ -465,7 +467,7 @@ class SendResource(Resource):
         except HttpApiError as e:
             return _write(request, e.code, e.to_json())
         if getattr(request, "too_large", False):
-            metrics.INBOUND_TRANSACTIONS.labels(outcome="rejected").inc()
+            _inbound_transactions("rejected").inc()
             limit = self._handler.max_body_bytes
             return _write(request, 400, {"errcode": "M_TOO_LARGE", "error": f"body is more than {limit} bytes"})
         raw = request.content.read(self._handler.max_body_bytes + 1) if request.content is not None else b""

@@ -72,9 +72,11 @@ from synflow.federation.policy import (
     fold_positions,
     transaction_body,
 )
+from synflow.metrics import series
 from synflow.tokens import StreamToken
 
 logger = logging.getLogger(__name__)
+_pdus_sent = series(metrics.PDUS_SENT)
 
 
 @attrs.frozen
@@ -441,7 +443,7 @@ class PerDestinationQueue:
             if txn.pdus:
                 new = advance_for_sent(self._last_successful, txn.pdus)
         metrics.TRANSACTIONS_SENT.inc()
-        metrics.PDUS_SENT.labels(mode="catch_up" if txn.catch_up else "queue").inc(len(txn.pdus))
+        _pdus_sent("catch_up" if txn.catch_up else "queue").inc(len(txn.pdus))
         metrics.EDUS_SENT.inc(len(txn.edus))
         self._log_pdu_errors(txn, response)
         if recovered:

@@ -51,7 +51,7 @@ from synflow.errors import HttpApiError, PersistRefused
 from synflow.http.rpc_http import RpcHttpPool
 from synflow.http.server import INTERNAL_PREFIX, JsonResource, bearer_token, http_error
 from synflow.json_encoding import compact_json
-from synflow.metrics import counter, histogram
+from synflow.metrics import counter, histogram, series
 from synflow.util import observe, sleep
 
 logger = logging.getLogger(__name__)
@@ -70,6 +70,7 @@ RPC_SECONDS = histogram(
     "synflow_rpc_seconds", "Time spent in internal RPC, by side and phase", ["name", "side", "phase"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
+_rpc_calls, _rpc_served, _rpc_seconds = series(RPC_CALLS), series(RPC_SERVED), series(RPC_SECONDS)
 
 Positions = dict[str, dict[str, int]]
 
@@ -129,7 +130,7 @@ class RpcServer(JsonResource):
             token = bearer_token(request)
             if token is None or not hmac.compare_digest(token.encode(), self.secret.encode()):
                 # The name comes from the request: only registered names become labels.
-                RPC_SERVED.labels(name=name if name in self.methods else "other", outcome="unauthorized").inc()
+                _rpc_served(name if name in self.methods else "other", "unauthorized").inc()
                 _close_after_response(request)
                 raise HttpApiError(401, "M_UNAUTHORIZED", "internal RPC requires the replication secret")
         method = self.methods.get(name)
@@ -143,7 +144,7 @@ class RpcServer(JsonResource):
         if entry is None and self.stopping:
             # A call that arrives on a kept-alive connection after the drain began: refuse it
             # before it runs, so the caller retries it (the process's database may be closing).
-            RPC_SERVED.labels(name=name, outcome="stopping").inc()
+            _rpc_served(name, "stopping").inc()
             _close_after_response(request)
             raise HttpApiError(503, STOPPING_ERRCODE, f"{name}: this process is stopping; retry")
         if entry is None:
@@ -168,21 +169,21 @@ class RpcServer(JsonResource):
             started = time.perf_counter()
             await self.positions.wait_for(positions)
             waited = time.perf_counter()
-            RPC_SECONDS.labels(name=name, side="server", phase="wait").observe(waited - started)
+            _rpc_seconds(name, "server", "wait").observe(waited - started)
             try:
                 result = await method(body.get("args", {}))
             except PersistRefused as refused:
                 raise http_error(refused) from None
-            RPC_SECONDS.labels(name=name, side="server", phase="run").observe(time.perf_counter() - waited)
+            _rpc_seconds(name, "server", "run").observe(time.perf_counter() - waited)
         except HttpApiError as e:
-            RPC_SERVED.labels(name=name, outcome=str(e.code)).inc()
+            _rpc_served(name, str(e.code)).inc()
             return e.code, {**e.to_json(), "positions": self.positions.own_positions()}
         except Exception:
             logger.exception("internal RPC %s failed", name)
-            RPC_SERVED.labels(name=name, outcome="500").inc()
+            _rpc_served(name, "500").inc()
             return 500, {"errcode": "M_UNKNOWN", "error": f"{name} failed on this process",
                          "positions": self.positions.own_positions()}
-        RPC_SERVED.labels(name=name, outcome="ok").inc()
+        _rpc_served(name, "ok").inc()
         return 200, {"result": result, "positions": self.positions.own_positions()}
 
 
@@ -252,7 +253,7 @@ class RpcClient:
             try:
                 started = time.perf_counter()
                 code, content = await self._post(address, path, body)
-                RPC_SECONDS.labels(name=name, side="client", phase="http").observe(time.perf_counter() - started)
+                _rpc_seconds(name, "client", "http").observe(time.perf_counter() - started)
             except (ConnectError, ConnectingCancelledError, TimeoutError, ResponseFailed) as e:
                 last_error = e
                 delay = self.backoff.delay(attempt, self.rng)
@@ -266,7 +267,7 @@ class RpcClient:
                 await sleep(self.reactor, delay)
                 continue
             return await self._finish(instance, name, code, content)
-        RPC_CALLS.labels(name=name, outcome="unreachable").inc()
+        _rpc_calls(name, "unreachable").inc()
         raise HttpApiError(502, "M_UNKNOWN", f"failed to talk to {instance!r} ({type(last_error).__name__})")
 
     async def _post(self, address: HostPort, path: str, body: bytes) -> tuple[int, bytes]:
@@ -288,16 +289,16 @@ class RpcClient:
         try:
             data = json.loads(content)
         except ValueError:
-            RPC_CALLS.labels(name=name, outcome="bad_response").inc()
+            _rpc_calls(name, "bad_response").inc()
             raise HttpApiError(502, "M_UNKNOWN", f"{instance!r} answered {code} with a non-JSON body") from None
         positions = data.get("positions") if isinstance(data, dict) else None
         if isinstance(positions, dict):
             started = time.perf_counter()
             await self.positions.wait_for(positions)
-            RPC_SECONDS.labels(name=name, side="client", phase="wait").observe(time.perf_counter() - started)
+            _rpc_seconds(name, "client", "wait").observe(time.perf_counter() - started)
         if code != 200:
-            RPC_CALLS.labels(name=name, outcome=str(code)).inc()
+            _rpc_calls(name, str(code)).inc()
             extra = {k: v for k, v in data.items() if k not in ("errcode", "error", "positions")}
             raise HttpApiError(code, data.get("errcode", "M_UNKNOWN"), data.get("error", f"{instance} failed"), **extra)
-        RPC_CALLS.labels(name=name, outcome="ok").inc()
+        _rpc_calls(name, "ok").inc()
         return data.get("result")

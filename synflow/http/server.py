@@ -46,7 +46,7 @@ from synflow.errors import (
     RoomMoving,
 )
 from synflow.json_encoding import compact_encoder
-from synflow.metrics import histogram
+from synflow.metrics import histogram, series
 
 logger = logging.getLogger(__name__)
 #: One line per request (``logging.levels: {synflow.access: WARNING}`` silences it).
@@ -447,16 +447,13 @@ class JsonResource(Resource):
         return parse_json_body(raw, max_depth=self.max_depth, want_object=want_object)
 
 
-#: :data:`REQUEST_SECONDS`'s series by (route, status): ``labels()`` checks and joins its arguments
-#: under a lock on every call. Routes are handler names and statuses the few the handlers answer.
-_REQUEST_SECONDS_SERIES: dict[tuple[str, int], Any] = {}
+#: :data:`REQUEST_SECONDS`'s series by (route, status): routes are handler names and statuses the few the
+#: handlers answer.
+_request_seconds_series = series(REQUEST_SECONDS)
 
 
 def _request_seconds(route: str, code: int) -> Any:
-    series = _REQUEST_SECONDS_SERIES.get((route, code))
-    if series is None:
-        series = _REQUEST_SECONDS_SERIES[(route, code)] = REQUEST_SECONDS.labels(route=route, code=str(code))
-    return series
+    return _request_seconds_series(route, str(code))
 
 
 def _unquote(value: str) -> str:
