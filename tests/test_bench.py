@@ -91,6 +91,47 @@ class MainjobSamplesTest(unittest.SynchronousTestCase):
         self.assertEqual(samples.spent(), {"master": 1.6, "driver": 0.5})
 
 
+class PersistWorkCountsTest(unittest.SynchronousTestCase):
+    """The persist benchmark's work rows come from the processes' own counters, summed and differenced."""
+
+    PAGES = {
+        "master": ('synflow_rpc_calls_total{name="persist_events",outcome="ok"} 7.0\n'
+                   'synflow_http_request_seconds_count{code="200",route="on_send"} {sends}\n'
+                   'synflow_http_request_seconds_count{code="200",route="on_sync"} 99.0\n'),
+        "persister1": ("synflow_events_persisted_total {events}\n"
+                       "synflow_persist_batch_events_count {txns}\n"
+                       "synflow_persist_batch_events_sum {events}\n"
+                       'synflow_rpc_served_total{name="persist_events",outcome="ok"} {rpcs}\n'
+                       'synflow_rpc_served_total{name="other_method",outcome="ok"} 50.0\n'
+                       'synflow_http_request_seconds_count{code="200",route="on_send"} 3.0\n'),
+    }
+
+    def test_counts_sum_the_named_series_and_the_phase_is_their_difference(self) -> None:
+        sys.path.insert(0, ROOT)
+        self.addCleanup(sys.path.remove, ROOT)
+        from scripts.benchmarks.persist import work_counts, work_done
+
+        class Deployment:
+            writers = ["persister1"]
+            values = {"sends": 10, "events": 100, "txns": 10, "rpcs": 4}
+
+            def metrics(self, name: str) -> str:
+                page = PersistWorkCountsTest.PAGES[name]
+                for key, value in self.values.items():
+                    page = page.replace("{" + key + "}", f"{value}.0")
+                return page
+
+        dep = Deployment()
+        before = work_counts(dep)  # type: ignore[arg-type]
+        self.assertEqual(before, {"events": 100, "transactions": 10, "rpcs": 4, "client_sends": 13})
+        dep.values = {"sends": 60, "events": 500, "txns": 30, "rpcs": 24}
+        done = work_done(before, work_counts(dep))  # type: ignore[arg-type]
+        self.assertEqual(done["events"], 400)
+        self.assertEqual(done["client_sends"], 50)
+        self.assertEqual(done["events_per_transaction"], 20.0)  # 400 events in 20 transactions
+        self.assertEqual(done["rpcs_per_100_events"], 5.0)  # 20 persist_events RPCs, other methods left out
+
+
 class ProcessGroupCleanupTest(unittest.SynchronousTestCase):
     """A child leading its own process group is recorded, so the runner kills it if the benchmark dies.
 

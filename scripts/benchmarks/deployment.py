@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+import urllib.request
 from typing import Any
 
 import yaml
@@ -57,6 +58,8 @@ class Deployment:
         self.children = Children(workdir)
         self.dbname = ""
         self.client_ports: dict[str, int] = {}
+        #: Each process's internal listener (``instance_map``: internal RPC, ``/health``, ``/metrics``).
+        self.internal_ports: dict[str, int] = {}
         self.procs: dict[str, Child] = {}
         self.shared_path = ""
 
@@ -78,7 +81,7 @@ class Deployment:
 
     def start(self) -> None:
         self.dbname = create_database()
-        instances = {name: free_port() for name in ("master", *self.writers)}
+        instances = self.internal_ports = {name: free_port() for name in ("master", *self.writers)}
         hub_port = free_port()
         var = os.path.join(self.workdir, "var")
         os.makedirs(var, exist_ok=True)
@@ -115,6 +118,13 @@ class Deployment:
         with open(path, "w", encoding="utf-8") as f:
             yaml.safe_dump(data, f)
         return path
+
+    def metrics(self, name: str) -> str:
+        """The Prometheus text of process ``name`` (its internal listener's ``/metrics``)."""
+        url = f"http://127.0.0.1:{self.internal_ports[name]}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text: str = response.read().decode()
+        return text
 
     def pids(self) -> dict[str, int]:
         """Our processes and this database's PostgreSQL backends, by name."""

@@ -29,6 +29,8 @@ import tempfile
 import time
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from scripts.benchmarks.common import Children, Progress, cpu_seconds, machine_cpu, pg_connect
 from scripts.benchmarks.deployment import Deployment
 from scripts.benchmarks.profile import from_env
@@ -73,6 +75,35 @@ def cpu_used(before: dict[str, float], after: dict[str, float], seconds: float) 
             "ours_cores": round(sum(used.values()) / seconds, 2) if seconds else 0.0}
 
 
+#: The counters of the work a phase made, summed over the deployment's processes (see :func:`work_done`).
+WORK_COUNTERS = {
+    "events": ("synflow_events_persisted_total", None),
+    "transactions": ("synflow_persist_batch_events_count", None),
+    "rpcs": ("synflow_rpc_served_total", ("name", "persist_events")),
+    "client_sends": ("synflow_http_request_seconds_count", ("route", "on_send")),
+}
+
+
+def work_counts(dep: Deployment) -> dict[str, float]:
+    """:data:`WORK_COUNTERS` now, summed over the master and the persisters (their ``/metrics``)."""
+    totals = dict.fromkeys(WORK_COUNTERS, 0.0)
+    for proc in ("master", *dep.writers):
+        for family in text_string_to_metric_families(dep.metrics(proc)):
+            for sample in family.samples:
+                for key, (name, label) in WORK_COUNTERS.items():
+                    if sample.name == name and (label is None or sample.labels.get(label[0]) == label[1]):
+                        totals[key] += sample.value
+    return totals
+
+
+def work_done(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What a phase did: events persisted, and per event the transactions, persist RPCs and client sends."""
+    done = {k: after[k] - before[k] for k in WORK_COUNTERS}
+    events = done["events"] or 1.0
+    return {**done, "events_per_transaction": round(events / (done["transactions"] or 1.0), 2),
+            "rpcs_per_100_events": round(100 * done["rpcs"] / events, 1)}
+
+
 def drive(ch: Children, dep: Deployment, name: str, mode: str, args: list[Any], timeout: float,
           profile_as: str = "") -> dict[str, Any]:
     """Run the driver; returns its result plus the CPU use of every process over the send phase."""
@@ -85,12 +116,16 @@ def drive(ch: Children, dep: Deployment, name: str, mode: str, args: list[Any], 
     if profile_as:
         for proc in ("master", *dep.writers, "driver"):
             profiler.attach(f"{profile_as}-{proc}", pids[proc], 15)
+    # The counters are read outside the CPU snapshots: serving /metrics is not the phase's work.
+    work_before = work_counts(dep)
     before, t0 = cpu_snapshot(pids), time.monotonic()
     driver.wait_event("phase", timeout)  # sent
     seconds = time.monotonic() - t0
     after = cpu_snapshot(pids)
+    work_after = work_counts(dep)
     result = driver.wait_event("result", timeout)
     result["cpu"] = cpu_used(before, after, seconds)
+    result["work"] = work_done(work_before, work_after)
     events = result.get("sent") or 1
     result["cpu"]["ms_per_event"] = {k: round(v * 1000 / events, 2) for k, v in result["cpu"]["per_process_s"].items()}
     dep.check_alive()
@@ -198,6 +233,20 @@ def run(quick: bool, progress: Progress) -> dict[str, Any]:
         rows.append({"key": f"persist.cpu_synflow.{n}", "unit": "ms/event", "ceiling": None, "ratio": None,
                      "label": f"CPU per event, master + persisters, {n} persister(s)",
                      "value": sum(v for k, v in per_event.items() if k.startswith(SYNFLOW_PROCESSES))})
+    for n, res in ((1, one), (2, two)):
+        tp = res["throughput"]
+        cores = os.cpu_count() or 1
+        busy = tp["cpu"]["machine_busy_cores"]
+        rows.append({"key": f"persist.busy.{n}", "label": f"cores busy while sending, whole machine, {n} persister(s)",
+                     "unit": "cores", "value": busy, "ceiling": cores, "ceiling_label": "cores",
+                     "ratio": busy / cores})
+        work = tp["work"]
+        rows.append({"key": f"persist.txn_events.{n}", "unit": "events/txn", "ceiling": None, "ratio": None,
+                     "label": f"events per persist transaction, {n} persister(s)",
+                     "value": work["events_per_transaction"]})
+        rows.append({"key": f"persist.rpcs.{n}", "unit": "per 100 events", "ceiling": None, "ratio": None,
+                     "label": f"persist_events RPCs served per 100 events, {n} persister(s)",
+                     "value": work["rpcs_per_100_events"]})
     latency: dict[str, Any] = {}
     for rate, lat in two["latency"].items():
         suffix = "" if rate == 1000 else f".at{rate}"
