@@ -132,6 +132,48 @@ class PersistWorkCountsTest(unittest.SynchronousTestCase):
         self.assertEqual(done["rpcs_per_100_events"], 5.0)  # 20 persist_events RPCs, other methods left out
 
 
+class PersistInProcessTest(unittest.TestCase):
+    """The persist transaction measured in one process: real PostgreSQL, a JSON result whose split adds up."""
+
+    def test_sizes_and_the_fixed_and_per_event_split(self) -> None:
+        sys.path.insert(0, ROOT)
+        self.addCleanup(sys.path.remove, ROOT)
+        from scripts.benchmarks.persistproc import PARTS, SIZES
+        from tests.services import create_pg_database, drop_pg_database, require_postgres
+
+        require_postgres()
+        dbname = create_pg_database()
+        self.addCleanup(drop_pg_database, dbname)
+        proc = subprocess.run(
+            [sys.executable, "-m", "scripts.benchmarks.persistproc", "--dbname", dbname, "--batches", "20",
+             "--passes", "1"],
+            cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=300,
+        )
+        self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+        result = json.loads(proc.stdout)
+        self.assertEqual(sorted(result["sizes"]), sorted(str(s) for s in SIZES))
+        small, large = (result["sizes"][str(s)] for s in SIZES)
+        for part in PARTS:  # the fixed part and the per-event part reproduce both sizes
+            fixed, per_event = result["split"][part]["per_transaction_ms"], result["split"][part]["per_event_ms"]
+            self.assertAlmostEqual(fixed + SIZES[0] * per_event, small[part], places=3)
+            self.assertAlmostEqual(fixed + SIZES[1] * per_event, large[part], places=3)
+        self.assertAlmostEqual(result["fixed_ms_per_transaction"],
+                               sum(result["split"][p]["per_transaction_ms"] for p in PARTS), places=3)
+        self.assertGreater(large["wall"], 0)
+        # every event of the run was persisted: the warm-up's, then 20 batches of each size
+        import psycopg2
+
+        from scripts.benchmarks.common import PG_HOST, PG_PORT, PG_USER
+
+        conn = psycopg2.connect(host=PG_HOST, port=PG_PORT, user=PG_USER, dbname=dbname)
+        try:
+            cur = conn.cursor()
+            cur.execute("SELECT count(*) FROM events WHERE type = 'm.room.message'")
+            self.assertEqual(cur.fetchone()[0], sum(50 * s + 20 * s for s in SIZES))
+        finally:
+            conn.close()
+
+
 class ProcessGroupCleanupTest(unittest.SynchronousTestCase):
     """A child leading its own process group is recorded, so the runner kills it if the benchmark dies.
 

@@ -19,19 +19,38 @@ small machine, to separate the path's own latency from queueing.
 Ceiling: one psycopg2 connection inserting the same rows into a copy of the
 ``events`` table of the same database, one transaction per row (unbatched)
 and 256 rows per transaction (batched).
+
+Each size also reports the machine's busy cores over the send phase and the
+work the phase made, from the processes' own counters: events per persist
+transaction and ``persist_events`` RPCs per 100 events. Last, the persist
+transaction alone in one process (:mod:`scripts.benchmarks.persistproc`):
+its CPU, fixed and per event, split between the reactor thread, the
+database threads and PostgreSQL -- steadier than the process figures, for
+judging a change on that path.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from scripts.benchmarks.common import Children, Progress, cpu_seconds, machine_cpu, pg_connect
+from scripts.benchmarks.common import (
+    ROOT,
+    Children,
+    Progress,
+    cpu_seconds,
+    create_database,
+    drop_database,
+    machine_cpu,
+    pg_connect,
+)
 from scripts.benchmarks.deployment import Deployment
 from scripts.benchmarks.profile import from_env
 
@@ -209,10 +228,34 @@ def run_throughput(tmp: str, persisters: int, quick: bool, progress: Progress, *
     return out
 
 
+def run_in_process(quick: bool, progress: Progress) -> dict[str, Any]:
+    """:mod:`scripts.benchmarks.persistproc` on a fresh database: the transaction's CPU, fixed and per event."""
+    dbname = create_database()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "scripts.benchmarks.persistproc", "--dbname", dbname,
+             "--batches", str(200 if quick else 400), "--passes", str(2 if quick else 3)],
+            cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=600,
+        )
+    finally:
+        drop_database(dbname)
+    if proc.returncode != 0:
+        raise RuntimeError(f"persistproc failed:\n{proc.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(proc.stdout)
+    split = result["split"]
+    progress(f"one process: {result['fixed_ms_per_transaction']:.2f} ms of CPU per transaction (reactor "
+             f"{split['reactor']['per_transaction_ms']:.2f}, database threads "
+             f"{split['database_threads']['per_transaction_ms']:.2f}, PostgreSQL "
+             f"{split['postgres']['per_transaction_ms']:.2f}) + {result['ms_per_further_event']:.3f} ms per event")
+    return result
+
+
 def run(quick: bool, progress: Progress) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-persist-") as tmp:
         one = run_throughput(tmp, 1, quick, progress)
         two = run_throughput(tmp, 2, quick, progress, latency=True)
+    progress("one process: the persist transaction alone, batches of 1 and 8 events")
+    inproc = run_in_process(quick, progress)
     ceiling = two["ceiling"]
     rows = []
     for n, res in ((1, one), (2, two)):
@@ -247,6 +290,19 @@ def run(quick: bool, progress: Progress) -> dict[str, Any]:
         rows.append({"key": f"persist.rpcs.{n}", "unit": "per 100 events", "ceiling": None, "ratio": None,
                      "label": f"persist_events RPCs served per 100 events, {n} persister(s)",
                      "value": work["rpcs_per_100_events"]})
+    split = inproc["split"]
+    rows.append({"key": "persist.inproc.transaction", "unit": "ms/txn", "ceiling": None, "ratio": None,
+                 "value": inproc["fixed_ms_per_transaction"],
+                 "label": "one process, no HTTP: CPU per persist transaction, its fixed part (reactor "
+                          f"{split['reactor']['per_transaction_ms']:.2f} + database threads "
+                          f"{split['database_threads']['per_transaction_ms']:.2f} + PostgreSQL "
+                          f"{split['postgres']['per_transaction_ms']:.2f})"})
+    rows.append({"key": "persist.inproc.event", "unit": "ms/event", "ceiling": None, "ratio": None,
+                 "value": inproc["ms_per_further_event"],
+                 "label": "one process, no HTTP: CPU per further event of a transaction (reactor "
+                          f"{split['reactor']['per_event_ms']:.3f} + database threads "
+                          f"{split['database_threads']['per_event_ms']:.3f} + PostgreSQL "
+                          f"{split['postgres']['per_event_ms']:.3f})"})
     latency: dict[str, Any] = {}
     for rate, lat in two["latency"].items():
         suffix = "" if rate == 1000 else f".at{rate}"
@@ -260,6 +316,6 @@ def run(quick: bool, progress: Progress) -> dict[str, Any]:
         latency[str(rate)] = {"sample_ms": lat.pop("latencies_sample"), "percentiles": lat["visible_latency_ms"],
                               "send_percentiles": lat["send_latency_ms"]}
     return {"rows": rows, "targets": TARGETS,
-            "extra": {"one_persister": one, "two_persisters": two},
+            "extra": {"one_persister": one, "two_persisters": two, "in_process": inproc},
             "latency": latency,
             "scaling": {"persisters": [1, 2], "events_per_s": [rows[0]["value"], rows[1]["value"]]}}
