@@ -9,7 +9,9 @@ of :mod:`synflow.events.auth`, with the room's members, join rule and power
 levels as the transaction sees them), assigns its stream ID, writes the event, the room's head, its
 current state and membership, the remote servers that must receive it, and
 the cache invalidations the change implies -- and announces all of it only
-once the transaction has committed.
+once the transaction has committed. Being the only writer, it also keeps
+what its committed transactions left of each room (:class:`OwnedRooms`) and
+reads only the rooms it does not hold.
 
 A client's ``(user, txn_id)`` makes a send idempotent: a retry returns the
 event persisted the first time. The client API puts the whole request in
@@ -29,7 +31,8 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -42,7 +45,7 @@ from synflow.errors import BadEvent, NotStored, PersistRefused, RoomMoving, Wron
 from synflow.events import auth
 from synflow.events.auth import JoinRule, PowerLevels, RoomView
 from synflow.events.bounds import event_refusal
-from synflow.events.shards import ShardFence, ShardFollower
+from synflow.events.shards import ShardFence, ShardFollower, ShardState
 from synflow.json_encoding import compact_json
 from synflow.metrics import counter, histogram
 from synflow.sharding import shard_for
@@ -56,6 +59,9 @@ BATCH_SIZE = histogram("synflow_persist_batch_events", "Events per persist trans
 BATCH_SECONDS = histogram("synflow_persist_batch_seconds", "Time per persist transaction",
                           buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
 EVENTS_PERSISTED = counter("synflow_events_persisted_total", "Events persisted by this process")
+ROOM_CACHE = counter("synflow_persist_room_cache_total",
+                     "Rooms a persist transaction took from the persister's own rooms (hit) or read (miss)", ["result"])
+_ROOM_CACHE_HITS, _ROOM_CACHE_MISSES = ROOM_CACHE.labels(result="hit"), ROOM_CACHE.labels(result="miss")
 
 #: Events persisted per transaction at most.
 MAX_BATCH = 256
@@ -64,6 +70,10 @@ MAX_BATCH = 256
 #: rather than four took about half off the database's CPU per event and carried a fifth more
 #: events per second); at low load a batch still starts at once.
 MAX_IN_FLIGHT = 1
+#: Rooms whose committed state a persister keeps for its next transactions, at most (least recently used go first).
+ROOM_CACHE_ROOMS = 10_000
+#: Memberships kept over all those rooms, at most (a room with more is not kept).
+ROOM_CACHE_MEMBERS = 200_000
 
 MEMBER = auth.MEMBER
 CREATE = auth.CREATE
@@ -152,6 +162,77 @@ class _RoomState:
     def remote_hosts(self, local: str) -> set[str]:
         return {server_of(u) for u, m in self.members.items() if m in ("join", "invite")} - {local}
 
+    def copy(self) -> _RoomState:
+        """A copy a transaction may change (the members its own; the parsed rules are read-only values)."""
+        view = self.view
+        return _RoomState(RoomView(view.room_id, view.exists, view.creator, dict(view.members), view.join_rule,
+                                   view.power_levels),
+                          self.created_ts, self.latest_event_id, self.depth, self.join_rules, self.power_levels)
+
+
+#: A room's state as a committed transaction left it, and the shard-map epoch it committed under.
+CachedRoom = tuple[_RoomState, int | None]
+
+
+class OwnedRooms:
+    """The committed state of the rooms a persister's transactions read and wrote, for its next transactions.
+
+    A room's head, rules and memberships (``rooms`` and ``room_memberships``)
+    are written by :func:`persist_events_txn` alone, in the transactions of
+    the persister that owns the room. So what this persister's last committed
+    transaction left of a room is what the database holds, for as long as it
+    has owned the room since: within one shard-map epoch, which the fence
+    reads (under its lock) in every transaction. Each entry is tagged with the
+    epoch of the transaction that committed it; a transaction takes a copy of
+    an entry of its own epoch only, and reads every other room. A transaction
+    publishes its rooms once it has committed (:meth:`Txn.call_after`), so
+    one rolled back leaves the entries as they were. Without a fence (no
+    shard map followed) the epoch is None and ownership is the configured
+    ``shard_for``.
+
+    Bounded: at most ``max_rooms`` rooms and ``max_members`` memberships over
+    them, least recently used first out; a room with more members than that
+    is not kept. Used on the reactor thread only (transactions get a snapshot
+    of the entries they need).
+    """
+
+    def __init__(self, max_rooms: int = ROOM_CACHE_ROOMS, max_members: int = ROOM_CACHE_MEMBERS) -> None:
+        self.max_rooms = max_rooms
+        self.max_members = max_members
+        self._entries: OrderedDict[str, CachedRoom] = OrderedDict()
+        self._members = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, room_ids: set[str]) -> dict[str, CachedRoom]:
+        """The entries of ``room_ids`` that are kept (not to be changed: a transaction copies what it uses)."""
+        found = {}
+        for room_id in room_ids:
+            entry = self._entries.get(room_id)
+            if entry is not None:
+                self._entries.move_to_end(room_id)
+                found[room_id] = entry
+        return found
+
+    def publish(self, rooms: dict[str, _RoomState], epoch: int | None) -> None:
+        """Keep ``rooms`` as a committed transaction of ``epoch`` left them."""
+        self.discard(rooms)  # first all of them: nothing older of the batch stays if a store fails
+        for room_id, room in rooms.items():
+            if len(room.members) <= self.max_members:
+                self._entries[room_id] = (room, epoch)
+                self._members += len(room.members)
+        while self._entries and (len(self._entries) > self.max_rooms or self._members > self.max_members):
+            _, (evicted, _) = self._entries.popitem(last=False)
+            self._members -= len(evicted.members)
+
+    def discard(self, room_ids: Iterable[str]) -> None:
+        """Forget ``room_ids`` (a transaction over them failed: whether it committed may be unknown)."""
+        for room_id in room_ids:
+            old = self._entries.pop(room_id, None)
+            if old is not None:
+                self._members -= len(old[0].members)
+
 
 @attrs.define
 class _Accepted:
@@ -193,6 +274,25 @@ def _load_rooms_txn(txn: Any, room_ids: set[str]) -> dict[str, _RoomState]:
     txn.execute(f"SELECT room_id, user_id, membership FROM room_memberships WHERE room_id IN ({_marks(len(ids))})", ids)
     for room_id, user_id, membership in txn.fetchall():
         rooms[room_id].members[user_id] = membership
+    return rooms
+
+
+def _rooms_txn(txn: Any, room_ids: set[str], cached: Mapping[str, CachedRoom] | None,
+               epoch: int | None) -> dict[str, _RoomState]:
+    """The batch's rooms: a copy of each kept one of this transaction's epoch, the others read."""
+    rooms: dict[str, _RoomState] = {}
+    missing = set()
+    for room_id in room_ids:
+        entry = cached.get(room_id) if cached else None
+        if entry is not None and entry[1] == epoch:
+            rooms[room_id] = entry[0].copy()
+        else:
+            missing.add(room_id)
+    if missing:
+        rooms.update(_load_rooms_txn(txn, missing))
+    if cached is not None:
+        _ROOM_CACHE_HITS.inc(len(rooms) - len(missing))
+        _ROOM_CACHE_MISSES.inc(len(missing))
     return rooms
 
 
@@ -265,6 +365,8 @@ def persist_events_txn(
     instance_name: str,
     now_ms: int,
     fence: ShardFence | None = None,
+    cached: Mapping[str, CachedRoom] | None = None,
+    owned: OwnedRooms | None = None,
 ) -> list[PersistResult]:
     """Validate and write a batch of events in the caller's transaction.
 
@@ -277,31 +379,55 @@ def persist_events_txn(
     own in the current epoch is refused (:class:`~synflow.errors.WrongPersister`),
     one of a room moving in the hand-over in progress too
     (:class:`~synflow.errors.RoomMoving`); the router re-routes both.
+
+    ``cached`` holds entries of the persister's own rooms (``owned``'s
+    :meth:`OwnedRooms.lookup`): those of the transaction's epoch are copied
+    instead of read. Once the transaction is over, on the reactor thread,
+    ``owned`` keeps the batch's rooms if it committed and forgets them if it
+    failed.
     """
-    txn = ctx.txn
-    results: list[PersistResult | None] = [None] * len(specs)
+    epoch = None
     if fence is not None:
-        state = fence.read_txn(txn)
-        for i, spec in enumerate(specs):
-            owner = state.current.owner(spec.room_id)
-            if owner != instance_name:
-                results[i] = PersistResult(None, None, instance_name,
-                                           WrongPersister(spec.room_id, owner, instance_name))
-            elif state.moving(spec.room_id):
-                results[i] = PersistResult(None, None, instance_name, RoomMoving(
-                    "M_ROOM_MOVING", f"room {spec.room_id} is moving to another event persister (epoch "
-                    f"{state.pending.epoch if state.pending else '?'}); retry"))
-        refused = {i for i, r in enumerate(results) if r is not None}
+        state = fence.read_txn(ctx.txn)
+        epoch = state.current.epoch
+        refused = _fenced_out(specs, state, instance_name)
         if refused:
             kept = [i for i in range(len(specs)) if i not in refused]
             if kept:
-                inner = persist_events_txn(ctx, [specs[i] for i in kept], [event_ids[i] for i in kept],
-                                           server_name=server_name, instance_name=instance_name, now_ms=now_ms)
+                inner = _persist_txn(ctx, [specs[i] for i in kept], [event_ids[i] for i in kept], server_name,
+                                     instance_name, now_ms, epoch, cached, owned)
                 for i, result in zip(kept, inner, strict=True):
-                    results[i] = result
-            return [r for r in results if r is not None]
+                    refused[i] = result
+            return [refused[i] for i in range(len(specs))]
+    return _persist_txn(ctx, specs, event_ids, server_name, instance_name, now_ms, epoch, cached, owned)
+
+
+def _fenced_out(specs: Sequence[EventSpec], state: ShardState, instance_name: str) -> dict[int, PersistResult]:
+    """The refusals of the events of rooms this persister does not own, or that are moving, by index."""
+    refused: dict[int, PersistResult] = {}
+    for i, spec in enumerate(specs):
+        owner = state.current.owner(spec.room_id)
+        if owner != instance_name:
+            refused[i] = PersistResult(None, None, instance_name, WrongPersister(spec.room_id, owner, instance_name))
+        elif state.moving(spec.room_id):
+            refused[i] = PersistResult(None, None, instance_name, RoomMoving(
+                "M_ROOM_MOVING", f"room {spec.room_id} is moving to another event persister (epoch "
+                f"{state.pending.epoch if state.pending else '?'}); retry"))
+    return refused
+
+
+def _persist_txn(ctx: StreamWriteContext, specs: Sequence[EventSpec], event_ids: Sequence[str], server_name: str,
+                 instance_name: str, now_ms: int, epoch: int | None, cached: Mapping[str, CachedRoom] | None,
+                 owned: OwnedRooms | None) -> list[PersistResult]:
+    """:func:`persist_events_txn` of events the fence let through (``epoch``: the map's, or None without one)."""
+    txn = ctx.txn
+    results: list[PersistResult | None] = [None] * len(specs)
+    room_ids = {s.room_id for s in specs}
+    if owned is not None:
+        # A failure, even in COMMIT (which may then have committed), leaves these rooms to be read again.
+        txn.call_on_exception(owned.discard, room_ids)
     existing = _existing_txn(txn, specs)
-    rooms = _load_rooms_txn(txn, {s.room_id for s in specs})
+    rooms = _rooms_txn(txn, room_ids, cached, epoch)
     accepted: list[_Accepted] = []
     first_of: dict[tuple[str, str], int] = {}
     repeats: dict[int, int] = {}
@@ -344,6 +470,8 @@ def persist_events_txn(
         original = results[first]
         assert original is not None
         results[i] = attrs.evolve(original, duplicate=original.error is None)
+    if owned is not None:
+        txn.call_after(owned.publish, rooms, epoch)
     assert all(r is not None for r in results)
     return [r for r in results if r is not None]
 
@@ -473,6 +601,8 @@ class EventPersister:
         self.persisted = 0
         self.follower = follower
         self.fence = None if follower is None else ShardFence(event_writers)
+        #: The rooms this persister's transactions committed, for its next ones.
+        self.rooms = OwnedRooms()
 
     def owner_of(self, room_id: str) -> str:
         if self.follower is not None:
@@ -575,6 +705,7 @@ class EventPersister:
         return self.writers.run_write(
             "persist_events", ["events", "caches"], persist_events_txn, specs, ids,
             server_name=self.server_name, instance_name=self.instance_name, now_ms=now_ms, fence=self.fence,
+            cached=self.rooms.lookup({s.room_id for s in specs}), owned=self.rooms,
         )
 
     async def _write_alone(self, batch: list[tuple[EventSpec, Deferred[PersistResult]]]) -> list[PersistResult]:
