@@ -470,9 +470,9 @@ def _persist_txn(ctx: StreamWriteContext, specs: Sequence[EventSpec], event_ids:
         original = results[first]
         assert original is not None
         results[i] = attrs.evolve(original, duplicate=original.error is None)
-    if owned is not None:
-        txn.call_after(owned.publish, rooms, epoch)
     assert all(r is not None for r in results)
+    if owned is not None:  # last: nothing of this function may fail after it (SQLite commits a failed one's savepoint)
+        txn.call_after(owned.publish, rooms, epoch)
     return [r for r in results if r is not None]
 
 
