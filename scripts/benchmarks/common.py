@@ -258,8 +258,13 @@ def rss_mb(pid: int) -> float | None:
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds a process has used (0 if it is gone)."""
+    return stat_cpu_seconds(f"/proc/{pid}/stat")
+
+
+def stat_cpu_seconds(path: str) -> float:
+    """User + system CPU seconds of a ``/proc`` ``stat`` file (a process's, or a thread's under ``task/``); 0 if gone."""
     try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        with open(path, encoding="ascii") as f:
             fields = f.read().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / _CLK_TCK
     except (OSError, IndexError, ValueError):

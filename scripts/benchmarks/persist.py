@@ -242,12 +242,16 @@ def run_in_process(quick: bool, progress: Progress) -> dict[str, Any]:
     if proc.returncode != 0:
         raise RuntimeError(f"persistproc failed:\n{proc.stderr[-3000:]}")
     result: dict[str, Any] = json.loads(proc.stdout)
-    split = result["split"]
-    progress(f"one process: {result['fixed_ms_per_transaction']:.2f} ms of CPU per transaction (reactor "
-             f"{split['reactor']['per_transaction_ms']:.2f}, database threads "
-             f"{split['database_threads']['per_transaction_ms']:.2f}, PostgreSQL "
-             f"{split['postgres']['per_transaction_ms']:.2f}) + {result['ms_per_further_event']:.3f} ms per event")
+    progress(f"one process: {result['fixed_ms_per_transaction']:.2f} ms of CPU per transaction "
+             f"({_split_text(result, 'per_transaction_ms', 2)}) + {result['ms_per_further_event']:.3f} ms per event")
     return result
+
+
+def _split_text(inproc: dict[str, Any], part: str, digits: int) -> str:
+    """``reactor X + database threads Y + PostgreSQL Z`` of one part of :mod:`persistproc`'s split."""
+    split = inproc["split"]
+    return " + ".join(f"{label} {split[key][part]:.{digits}f}" for key, label in
+                      (("reactor", "reactor"), ("database_threads", "database threads"), ("postgres", "PostgreSQL")))
 
 
 def run(quick: bool, progress: Progress) -> dict[str, Any]:
@@ -290,19 +294,14 @@ def run(quick: bool, progress: Progress) -> dict[str, Any]:
         rows.append({"key": f"persist.rpcs.{n}", "unit": "per 100 events", "ceiling": None, "ratio": None,
                      "label": f"persist_events RPCs served per 100 events, {n} persister(s)",
                      "value": work["rpcs_per_100_events"]})
-    split = inproc["split"]
     rows.append({"key": "persist.inproc.transaction", "unit": "ms/txn", "ceiling": None, "ratio": None,
                  "value": inproc["fixed_ms_per_transaction"],
-                 "label": "one process, no HTTP: CPU per persist transaction, its fixed part (reactor "
-                          f"{split['reactor']['per_transaction_ms']:.2f} + database threads "
-                          f"{split['database_threads']['per_transaction_ms']:.2f} + PostgreSQL "
-                          f"{split['postgres']['per_transaction_ms']:.2f})"})
+                 "label": "one process, no HTTP: CPU per persist transaction, its fixed part "
+                          f"({_split_text(inproc, 'per_transaction_ms', 2)})"})
     rows.append({"key": "persist.inproc.event", "unit": "ms/event", "ceiling": None, "ratio": None,
                  "value": inproc["ms_per_further_event"],
-                 "label": "one process, no HTTP: CPU per further event of a transaction (reactor "
-                          f"{split['reactor']['per_event_ms']:.3f} + database threads "
-                          f"{split['database_threads']['per_event_ms']:.3f} + PostgreSQL "
-                          f"{split['postgres']['per_event_ms']:.3f})"})
+                 "label": "one process, no HTTP: CPU per further event of a transaction "
+                          f"({_split_text(inproc, 'per_event_ms', 3)})"})
     latency: dict[str, Any] = {}
     for rate, lat in two["latency"].items():
         suffix = "" if rate == 1000 else f".at{rate}"

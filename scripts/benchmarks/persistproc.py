@@ -34,24 +34,22 @@ import threading
 import time
 from typing import Any
 
-from scripts.benchmarks.common import PG_HOST, PG_PORT, PG_USER, cpu_seconds, pg_backend_pids
+from scripts.benchmarks.common import (
+    PG_HOST,
+    PG_PORT,
+    PG_USER,
+    cpu_seconds,
+    pg_backend_pids,
+    stat_cpu_seconds,
+)
 
 SIZES = (1, 8)
 PARTS = ("reactor", "database_threads", "postgres")
 
 
 def _thread_cpu() -> dict[int, float]:
-    """CPU seconds of each thread of this process."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out: dict[int, float] = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/stat", encoding="ascii") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:  # the thread ended
-            continue
-        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
-    return out
+    """CPU seconds of each thread of this process (0 for one that ended meanwhile)."""
+    return {int(tid): stat_cpu_seconds(f"/proc/self/task/{tid}/stat") for tid in os.listdir("/proc/self/task")}
 
 
 def _snapshot(backends: list[int]) -> dict[str, float]:
