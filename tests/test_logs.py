@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import time
 
 from twisted.logger import LogLevel, textFileLogObserver
 from twisted.trial.unittest import SynchronousTestCase
@@ -41,13 +42,13 @@ class TextObserverTest(SynchronousTestCase):
 
         from twisted.logger import globalLogPublisher
 
-        from synflow.app.build import _StderrHandler
+        from synflow.logbridge import TwistedBridge
 
         out = io.StringIO()
         observer = logs.text_observer(out)
         globalLogPublisher.addObserver(observer)
         self.addCleanup(globalLogPublisher.removeObserver, observer)
-        handler = _StderrHandler()
+        handler = TwistedBridge()
         handler.setFormatter(logging.Formatter("%(message)s"))
         handler.emit(logging.LogRecord("synflow.access", logging.WARNING, "", 0, "%s {not a field} %d", ("GET", 5),
                                        None))
@@ -91,3 +92,161 @@ class AccessLogTest(SynchronousTestCase):
         access_logger.setLevel(logging.INFO)
         site.log(Request(b"/_synflow/internal/persist_events/abc"))
         self.assertEqual(len(records), 2)  # not even formatted below the logger's level
+
+
+class LogTextTest(SynchronousTestCase):
+    """``logbridge.log_text``: straight to the bridge when it alone would see the record, else the stdlib's path."""
+
+    def setUp(self) -> None:
+        import logging
+
+        from twisted.logger import globalLogPublisher
+
+        from synflow.logbridge import TwistedBridge
+
+        # A hierarchy of its own, not under the process's root logger: parent (with the bridge) <- child.
+        self.parent = logging.Logger("logtexttest")
+        self.bridge = TwistedBridge()
+        self.parent.addHandler(self.bridge)
+        self.child = logging.Logger("logtexttest.access")
+        self.child.parent = self.parent
+        self.events: list[dict] = []
+
+        def observe(event: dict) -> None:
+            if str(event.get("log_namespace", "")).startswith("logtexttest"):
+                self.events.append(event)
+
+        globalLogPublisher.addObserver(observe)
+        self.addCleanup(globalLogPublisher.removeObserver, observe)
+        self.records: list = []
+
+    def _count_records(self) -> None:
+        original = self.child.handle
+
+        def handle(record):
+            self.records.append(record)
+            return original(record)
+
+        self.child.handle = handle  # type: ignore[method-assign]
+
+    def _strip(self, event: dict) -> dict:
+        # What the bridge puts in an event (the publisher adds its own keys, some of them objects made per event).
+        keys = ("msg", "log_logger", "log_level", "log_namespace", "log_source", "log_format")
+        return {k: event.get(k, "absent") for k in keys}
+
+    def test_sole_bridge_gets_the_text_without_a_record(self):
+        """With the bridge the only handler on the way, no stdlib record is made; the event is the stdlib path's."""
+        import logging
+
+        from synflow.logbridge import log_text
+
+        self._count_records()
+        log_text(self.child, logging.INFO, "GET /sync 200 1.0ms @u:hs {x} %s")
+        self.assertEqual(self.records, [])
+        self.child.log(logging.INFO, "%s", "GET /sync 200 1.0ms @u:hs {x} %s")
+        self.assertEqual(len(self.records), 1)
+        direct, through_stdlib = self.events
+        self.assertEqual(self._strip(direct), self._strip(through_stdlib))
+        self.assertEqual(direct["msg"], "GET /sync 200 1.0ms @u:hs {x} %s")
+        self.assertEqual(direct["log_namespace"], "logtexttest.access")
+
+    def test_anything_else_on_the_way_takes_the_stdlib_path(self):
+        """Another handler, a filter on the logger or the bridge, or a record factory: the record is made, as before."""
+        import logging
+
+        from synflow.logbridge import log_text
+
+        self._count_records()
+        other = logging.Handler()
+        seen: list = []
+        other.emit = seen.append  # type: ignore[method-assign]
+        self.child.addHandler(other)
+        log_text(self.child, logging.INFO, "one")
+        self.assertEqual([r.getMessage() for r in seen], ["one"])
+        self.assertEqual([e["msg"] for e in self.events], ["one"])  # the bridge still gets it, through the record
+        self.child.removeHandler(other)
+
+        self.child.addFilter(lambda record: False)
+        log_text(self.child, logging.INFO, "dropped by the logger's filter")
+        self.assertEqual([e["msg"] for e in self.events], ["one"])
+        self.child.filters.clear()
+
+        self.bridge.addFilter(lambda record: record.getMessage() != "dropped by the bridge's filter")
+        log_text(self.child, logging.INFO, "dropped by the bridge's filter")
+        self.assertEqual([e["msg"] for e in self.events], ["one"])
+        self.bridge.filters.clear()
+
+        factory = logging.getLogRecordFactory()
+        made: list = []
+
+        def counting(*args, **kwargs):
+            made.append(args)
+            return factory(*args, **kwargs)
+
+        logging.setLogRecordFactory(counting)
+        self.addCleanup(logging.setLogRecordFactory, factory)
+        log_text(self.child, logging.INFO, "made by the factory")
+        self.assertEqual(len(made), 1)
+        self.assertEqual([e["msg"] for e in self.events], ["one", "made by the factory"])
+        self.assertEqual(len(self.records), 4)
+
+    def test_no_bridge_reached(self):
+        """A logger that does not propagate to the bridge, or a bridge above the level, gets nothing."""
+        import logging
+
+        from synflow.logbridge import log_text
+
+        self.bridge.setLevel(logging.WARNING)
+        log_text(self.child, logging.INFO, "below the bridge's level")
+        self.bridge.setLevel(logging.NOTSET)
+        self.child.propagate = False
+        log_text(self.child, logging.INFO, "not propagated")
+        self.assertEqual(self.events, [])
+        self.child.propagate = True
+        log_text(self.child, logging.WARNING, "reached")
+        self.assertEqual([(e["msg"], e["log_level"]) for e in self.events], [("reached", LogLevel.warn)])
+
+    def test_access_line_unchanged(self):
+        """The access log line through the bridge directly is byte for byte the line through a stdlib record."""
+        import logging
+
+        from twisted.logger import globalLogPublisher
+
+        from synflow.http.server import JsonSite, access_logger
+        from synflow.logbridge import TwistedBridge
+
+        class Request:
+            method, code, arrived, synflow_user = b"GET", 200, 0.0, "@u:hs"
+            path, uri = b"/_synflow/client/v1/sync", b"/_synflow/client/v1/sync?since=s1&access_token=abc"
+
+        root = logging.getLogger()
+        bridge = TwistedBridge()
+        self.patch(root, "handlers", [bridge])
+        self.patch(access_logger, "level", logging.INFO)
+        for name in ("propagate", "disabled"):
+            self.patch(access_logger, name, getattr(access_logger, name))
+        access_logger.propagate, access_logger.disabled = True, False
+        self.patch(logging.getLogger("synflow"), "handlers", [])
+        self.patch(time, "monotonic", lambda: 0.0123)
+        out = io.StringIO()
+        observer = logs.text_observer(out)
+        def access_lines(event: dict) -> None:
+            if event.get("log_namespace") == "synflow.access":
+                observer(event)
+
+        globalLogPublisher.addObserver(access_lines)
+        self.addCleanup(globalLogPublisher.removeObserver, access_lines)
+        records: list = []
+        original = access_logger.handle
+        self.patch(access_logger, "handle", lambda record: (records.append(record), original(record)))
+        site = JsonSite.__new__(JsonSite)
+        site.log(Request())  # the bridge alone: no record
+        self.assertEqual(records, [])
+        self.patch(access_logger, "filters", [lambda record: True])  # a filter: through a record
+        site.log(Request())
+        self.assertEqual(len(records), 1)
+        first, second = out.getvalue().splitlines()
+        self.assertEqual(first.split(" ", 1)[1], second.split(" ", 1)[1])
+        self.assertEqual(first.split(" ", 1)[1],
+                         "[synflow.access#info] GET /_synflow/client/v1/sync?since=s1&access_token=<redacted> 200 "
+                         "12.3ms @u:hs")

@@ -47,6 +47,7 @@ from twisted.python.logfile import LogFile
 from zope.interface import implementer
 
 from synflow.config import SynflowConfig
+from synflow.logbridge import PREFORMATTED
 
 __all__ = ["JsonLogObserver", "make_observer", "with_log_observer"]
 
@@ -88,9 +89,6 @@ class JsonLogObserver:
         self._out.flush()
 
 
-#: The ``log_format`` of the events the stdlib bridge (``synflow.app.build``) emits: the text is already
-#: formatted, in the event's ``msg``, so the observers write it without running Twisted's format machinery.
-PREFORMATTED = "{msg}"
 
 
 def preformatted_text(event: LogEvent) -> str | None:

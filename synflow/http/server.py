@@ -46,6 +46,7 @@ from synflow.errors import (
     RoomMoving,
 )
 from synflow.json_encoding import compact_encoder
+from synflow.logbridge import log_text
 from synflow.metrics import histogram, series
 
 logger = logging.getLogger(__name__)
@@ -230,21 +231,24 @@ class JsonSite(Site):
         if not access_logger.isEnabledFor(level):
             return
         duration_ms = (time.monotonic() - getattr(request, "arrived", time.monotonic())) * 1000
-        access_logger.log(level, "%s %s %s %.1fms %s", request.method.decode("ascii", "replace"),
-                          loggable_uri(request.uri), request.code, duration_ms,
-                          getattr(request, "synflow_user", None) or "-")
+        log_text(access_logger, level, f"{request.method.decode('ascii', 'replace')} {loggable_uri(request.uri)} "
+                                       f"{request.code} {duration_ms:.1f}ms {getattr(request, 'synflow_user', None) or '-'}")
 
 
 def loggable_uri(uri: bytes) -> str:
     """``uri`` for a log line: the values of secret query parameters replaced by ``<redacted>``."""
     path, sep, query = uri.partition(b"?")
-    if sep:
-        parts = []
-        for part in query.split(b"&"):
-            name, eq, _ = part.partition(b"=")
-            parts.append(name + b"=<redacted>" if eq and name.lower() in SECRET_QUERY_PARAMS else part)
-        path = path + b"?" + b"&".join(parts)
-    return path.decode("ascii", "backslashreplace")
+    if not sep or not _may_hold_secret(query):
+        return uri.decode("ascii", "backslashreplace")
+    parts = []
+    for part in query.split(b"&"):
+        name, eq, _ = part.partition(b"=")
+        parts.append(name + b"=<redacted>" if eq and name.lower() in SECRET_QUERY_PARAMS else part)
+    return (path + b"?" + b"&".join(parts)).decode("ascii", "backslashreplace")
+
+
+#: Any of :data:`SECRET_QUERY_PARAMS` anywhere, in any case: a query without a match names none of them.
+_may_hold_secret = re.compile(b"|".join(re.escape(name) for name in sorted(SECRET_QUERY_PARAMS)), re.IGNORECASE).search
 
 
 def _no_constants(name: str) -> Any:

@@ -7,9 +7,11 @@ import json
 import os
 import urllib.request
 
+from hypothesis import given
+from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
-from synflow.http.server import loggable_uri
+from synflow.http.server import SECRET_QUERY_PARAMS, loggable_uri
 from synflow.tools import ctl
 from tests.cluster import free_port
 from tests.test_ctl import small_deployment
@@ -84,3 +86,17 @@ class LoggableUriTest(SynchronousTestCase):
                          "/sync?since=s1&access_token=<redacted>&TOKEN=<redacted>")
         self.assertEqual(loggable_uri(b"/rooms/!a:b/send"), "/rooms/!a:b/send")
         self.assertEqual(loggable_uri(b"/x?password"), "/x?password")
+
+    @given(st.lists(st.tuples(st.sampled_from([b"since", b"access_token", b"Token", b"sig", b"signature", b"x",
+                                               b"PASSWORD", b"secretive", b""]),
+                              st.sampled_from([b"", b"="]), st.binary(max_size=6).map(lambda v: v.replace(b"&", b""))),
+                    max_size=5))
+    def test_redaction_as_the_full_scan(self, params):
+        """Any query: the result is that of checking every parameter's name (the scan the quick check may skip)."""
+        query = b"&".join(name + eq + value for name, eq, value in params)
+        uri = b"/sync?" + query
+        parts = []
+        for part in query.split(b"&"):
+            name, eq, _ = part.partition(b"=")
+            parts.append(name + b"=<redacted>" if eq and name.lower() in SECRET_QUERY_PARAMS else part)
+        self.assertEqual(loggable_uri(uri), (b"/sync?" + b"&".join(parts)).decode("ascii", "backslashreplace"))
