@@ -223,13 +223,13 @@ class LogTextTest(SynchronousTestCase):
         bridge = TwistedBridge()
         self.patch(root, "handlers", [bridge])
         self.patch(access_logger, "level", logging.INFO)
-        for name in ("propagate", "disabled"):
-            self.patch(access_logger, name, getattr(access_logger, name))
-        access_logger.propagate, access_logger.disabled = True, False
+        self.patch(access_logger, "propagate", True)
+        self.patch(access_logger, "disabled", False)
         self.patch(logging.getLogger("synflow"), "handlers", [])
         self.patch(time, "monotonic", lambda: 0.0123)
         out = io.StringIO()
         observer = logs.text_observer(out)
+
         def access_lines(event: dict) -> None:
             if event.get("log_namespace") == "synflow.access":
                 observer(event)

@@ -89,8 +89,6 @@ class JsonLogObserver:
         self._out.flush()
 
 
-
-
 def preformatted_text(event: LogEvent) -> str | None:
     """The event's message if it arrived formatted (:data:`PREFORMATTED`, no failure), else None."""
     msg = event.get("msg")

@@ -235,6 +235,10 @@ class JsonSite(Site):
                                        f"{request.code} {duration_ms:.1f}ms {getattr(request, 'synflow_user', None) or '-'}")
 
 
+#: Any of :data:`SECRET_QUERY_PARAMS` anywhere, in any case: a query without a match names none of them.
+_may_hold_secret = re.compile(b"|".join(re.escape(name) for name in sorted(SECRET_QUERY_PARAMS)), re.IGNORECASE).search
+
+
 def loggable_uri(uri: bytes) -> str:
     """``uri`` for a log line: the values of secret query parameters replaced by ``<redacted>``."""
     path, sep, query = uri.partition(b"?")
@@ -245,10 +249,6 @@ def loggable_uri(uri: bytes) -> str:
         name, eq, _ = part.partition(b"=")
         parts.append(name + b"=<redacted>" if eq and name.lower() in SECRET_QUERY_PARAMS else part)
     return (path + b"?" + b"&".join(parts)).decode("ascii", "backslashreplace")
-
-
-#: Any of :data:`SECRET_QUERY_PARAMS` anywhere, in any case: a query without a match names none of them.
-_may_hold_secret = re.compile(b"|".join(re.escape(name) for name in sorted(SECRET_QUERY_PARAMS)), re.IGNORECASE).search
 
 
 def _no_constants(name: str) -> Any:
