@@ -200,4 +200,4 @@ def run(quick: bool, progress: Progress) -> dict[str, Any]:
             "extra": {"cpu_ms_per_message": per_message, "driver_cpu_ms_per_message": driver_ms,
                       "cores_while_sending": by_process,
                       "cores_busy": cores_busy, "setup_cpu_s": setup_cpu, "traffic_s": traffic_s,
-                      "sent": report.sent}}
+                      "sent": report.sent, "sync_responses_per_message": report.sync_requests / report.sent}}

@@ -326,6 +326,16 @@ class Engine(abc.ABC):
     ) -> None:
         """Insert ``rows`` into ``table`` in as few statements as is sensible (``suffix``: ON CONFLICT ...)."""
 
+    def render_insert_many(
+        self, cursor: Any, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], suffix: str = ""
+    ) -> list[bytes] | None:
+        """The statements :meth:`insert_many_txn` would run, as text with the values in, or None.
+
+        An engine that returns them lets a transaction send its writes
+        together, in one round trip (see :meth:`Txn.insert_many`).
+        """
+        return None
+
     @abc.abstractmethod
     def table_exists_txn(self, txn: Txn, table: str) -> bool:
         """Whether ``table`` exists (in the current schema)."""
@@ -479,6 +489,17 @@ class PostgresEngine(Engine):
         sql = f"INSERT INTO {table} ({', '.join(columns)}) VALUES %s{suffix}"
         execute_values(cursor, sql, rows, page_size=INSERT_PAGE_SIZE)
 
+    def render_insert_many(
+        self, cursor: Any, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], suffix: str = ""
+    ) -> list[bytes] | None:
+        # What execute_values sends, page by page: each row through psycopg2's own quoting.
+        head = f"INSERT INTO {table} ({', '.join(columns)}) VALUES ".encode()
+        tail = suffix.encode()
+        row_sql = ("(" + ",".join(["%s"] * len(columns)) + ")").encode()
+        mogrify = cursor.mogrify
+        return [head + b",".join([mogrify(row_sql, row) for row in rows[i:i + INSERT_PAGE_SIZE]]) + tail
+                for i in range(0, len(rows), INSERT_PAGE_SIZE)]
+
     def table_exists_txn(self, txn: Txn, table: str) -> bool:
         txn.execute(
             "SELECT 1 FROM information_schema.tables"
@@ -519,24 +540,46 @@ class Txn:
         desc: the description the interaction was started with.
     """
 
-    def __init__(self, cursor: Any, engine: Engine, desc: str):
+    def __init__(self, cursor: Any, engine: Engine, desc: str, *, defer_writes: bool = False):
         self._cursor = cursor
         self.engine = engine
         self.desc = desc
         self._after: list[tuple[Callback, tuple[Any, ...]]] = []
         self._on_exception: list[tuple[Callback, tuple[Any, ...]]] = []
+        #: Writes not yet sent (``defer_writes``): they go out together before the next statement.
+        self._deferred: list[bytes] | None = [] if defer_writes else None
 
     def execute(self, sql: str, args: Sequence[Any] = ()) -> None:
         """Run one statement written with ``?`` placeholders."""
+        if self._deferred:
+            self.flush_writes()
         self._cursor.execute(self.engine.convert_placeholders(sql), tuple(args))
 
     def execute_raw(self, sql: str) -> None:
         """Run one statement exactly as written, without parameters (DDL, migrations)."""
+        if self._deferred:
+            self.flush_writes()
         self._cursor.execute(sql)
 
     def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
         """Run one ``?`` statement once per row of parameters."""
+        if self._deferred:
+            self.flush_writes()
         self._cursor.executemany(self.engine.convert_placeholders(sql), [tuple(r) for r in rows])
+
+    def flush_writes(self) -> None:
+        """Send the writes :meth:`insert_many` and :meth:`upsert_many` deferred, in one round trip.
+
+        Called before any other statement, before :attr:`rowcount` is read and
+        when the interaction's function returns (before COMMIT), so statements
+        run in the order they were made and a failing write fails the
+        transaction as it would have at once: a write's error is raised here
+        instead of from the call that made it.
+        """
+        pending = self._deferred
+        if pending:
+            self._deferred = []
+            self._cursor.execute(pending[0] if len(pending) == 1 else b";".join(pending))
 
     def insert_many(self, table: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
         """Insert many rows with few statements (multi-row VALUES on PostgreSQL).
@@ -558,7 +601,16 @@ class Txn:
             if len(row) != len(columns):
                 raise ValueError(f"row {row!r} has {len(row)} values for {len(columns)} columns")
         if batch:
-            self.engine.insert_many_txn(self._cursor, table, columns, batch)
+            self._insert(table, columns, batch, "")
+
+    def _insert(self, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], suffix: str) -> None:
+        """Rows checked already: sent now, or deferred to :meth:`flush_writes` when this transaction defers."""
+        if self._deferred is not None:
+            rendered = self.engine.render_insert_many(self._cursor, table, columns, rows, suffix)
+            if rendered is not None:
+                self._deferred.extend(rendered)
+                return
+        self.engine.insert_many_txn(self._cursor, table, columns, rows, suffix)
 
     def upsert_many(self, table: str, keys: Sequence[str], values: Sequence[str],
                     rows: Iterable[Sequence[Any]]) -> None:
@@ -580,7 +632,7 @@ class Txn:
             "DO UPDATE SET " + ", ".join(f"{v} = excluded.{v}" for v in values) if values else "DO NOTHING"
         )
         suffix = f" ON CONFLICT ({', '.join(keys)}) {action}"
-        self.engine.insert_many_txn(self._cursor, table, (*keys, *values), list(latest.values()), suffix)
+        self._insert(table, (*keys, *values), list(latest.values()), suffix)
 
     def fetchone(self) -> tuple[Any, ...] | None:
         """The next result row, or None."""
@@ -593,7 +645,9 @@ class Txn:
 
     @property
     def rowcount(self) -> int:
-        """Rows affected by the last statement (driver semantics)."""
+        """Rows affected by the last statement (driver semantics; deferred writes are sent first)."""
+        if self._deferred:
+            self.flush_writes()
         return int(self._cursor.rowcount)
 
     def call_after(self, cb: Callback, *args: Any) -> None:
@@ -824,10 +878,13 @@ class Database:
     def _interaction_txn(self, cursor: Any, box: list[Txn], desc: str, func: Callable[..., Any],
                          args: tuple[Any, ...], kwargs: dict[str, Any], read_only: bool = False,
                          one_statement: bool = False) -> Any:
-        txn = _OneStatementTxn(cursor, self.engine, desc) if one_statement else Txn(cursor, self.engine, desc)
+        txn = (_OneStatementTxn(cursor, self.engine, desc) if one_statement
+               else Txn(cursor, self.engine, desc, defer_writes=not read_only))
         box.append(txn)
         self.engine.begin_txn(cursor, read_only)
-        return _check_sync(func, func(txn, *args, **kwargs))
+        result = _check_sync(func, func(txn, *args, **kwargs))
+        txn.flush_writes()  # before adbapi's COMMIT
+        return result
 
     def _autocommit_txn(self, conn: Any, box: list[Txn], desc: str, func: Callable[..., Any],
                         args: tuple[Any, ...], kwargs: dict[str, Any], one_statement: bool = False) -> Any:

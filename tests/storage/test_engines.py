@@ -320,6 +320,44 @@ class DatabaseTestsMixin:
         await db.run_interaction("insert_many", insert_txn)
         self.assertEqual(await db.run_interaction("read", select_items_txn), rows)
 
+    async def test_writes_run_in_order_within_the_transaction(self) -> None:
+        """Rows from ``insert_many`` and ``upsert_many`` are seen by the transaction's next statements, in order,
+        and ``rowcount`` after them counts the last one's rows."""
+        db = await self.make_db()
+
+        def write_txn(txn: Txn) -> tuple[list[tuple[Any, ...]], int, list[tuple[Any, ...]]]:
+            txn.insert_many("items", ("id", "name"), [(1, "a"), (2, "b")])
+            txn.upsert_many("items", ("id",), ("name",), [(2, "b2"), (3, "c")])
+            seen = select_items_txn(txn)
+            txn.upsert_many("items", ("id",), ("name",), [(1, "a2")])
+            count = txn.rowcount
+            txn.execute("UPDATE items SET name = name || '!' WHERE id = ?", (1,))
+            return seen, count, select_items_txn(txn)
+
+        seen, count, after = await db.run_interaction("write", write_txn)
+        self.assertEqual(seen, [(1, "a"), (2, "b2"), (3, "c")])
+        self.assertEqual(count, 1)
+        self.assertEqual(after, [(1, "a2!"), (2, "b2"), (3, "c")])
+        self.assertEqual(await db.run_interaction("read", select_items_txn), after)
+
+    async def test_failing_last_write_rolls_back_the_transaction(self) -> None:
+        """A bulk write that fails as the interaction's last statement fails it with the driver's error:
+        nothing of it commits and only the exception callbacks run."""
+        db = await self.make_db()
+        await db.run_interaction("insert", insert_item_txn, 5, "five")
+        calls: list[str] = []
+
+        def write_txn(txn: Txn) -> str:
+            txn.call_after(calls.append, "after")
+            txn.call_on_exception(calls.append, "exception")
+            txn.insert_many("items", ("id", "name"), [(1, "one")])
+            txn.insert_many("items", ("id", "name"), [(4, "four"), (5, "again")])
+            return "returned"
+
+        await self.assertFailure(db.run_interaction("write", write_txn), self.integrity_error())
+        self.assertEqual(calls, ["exception"])
+        self.assertEqual(await db.run_interaction("read", select_items_txn), [(5, "five")])
+
     async def test_executemany_and_rowcount(self) -> None:
         """``executemany`` runs per row and ``rowcount`` reports an UPDATE's rows."""
         db = await self.make_db()
@@ -617,6 +655,33 @@ class PostgresDatabaseTests(DatabaseTestsMixin, TestCase):
                          ext.TRANSACTION_STATUS_INTRANS)
         # and the pool's connection is transactional again afterwards
         self.assertEqual(await db.run_interaction("block", status_txn), ext.TRANSACTION_STATUS_INTRANS)
+
+    async def test_bulk_writes_go_out_in_one_round_trip(self) -> None:
+        """On PostgreSQL the ``insert_many`` and ``upsert_many`` of a transaction reach the server as one
+        statement text, sent before the next statement or the commit, not one round trip each."""
+        db = await self.make_db()
+        sent: list[bytes | str] = []
+
+        def write_txn(txn: Txn) -> None:
+            cursor = txn._cursor
+
+            class Counting:
+                def __getattr__(self, name: str) -> Any:
+                    return getattr(cursor, name)
+
+                def execute(self, sql: Any, args: Any = None) -> None:
+                    sent.append(sql)
+                    cursor.execute(sql, args)
+
+            txn._cursor = Counting()
+            txn.insert_many("items", ("id", "name"), [(1, "a"), (2, "b")])
+            txn.upsert_many("items", ("id",), ("name",), [(2, "b2")])
+            txn.insert_many("items", ("id", "name"), [(3, "50% 'c'")])
+            self.assertEqual(sent, [])
+
+        await db.run_interaction("write", write_txn)
+        self.assertEqual(len(sent), 1)
+        self.assertEqual(await db.run_interaction("read", select_items_txn), [(1, "a"), (2, "b2"), (3, "50% 'c'")])
 
     async def kill_backend(self, db: Database) -> int:
         """Terminate the PostgreSQL backend serving the pool's only connection."""
