@@ -320,6 +320,9 @@ class Engine(abc.ABC):
     def set_autocommit(self, conn: Any, on: bool) -> None:  # noqa: B027 - optional hook
         """Switch a connection in or out of autocommit mode."""
 
+    def rollback_open(self, conn: Any, cursor: Any) -> None:  # noqa: B027 - optional hook
+        """Roll back a transaction a Txn opened itself on ``conn`` (autocommit mode), if one is open."""
+
     @abc.abstractmethod
     def insert_many_txn(
         self, cursor: Any, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], suffix: str = ""
@@ -481,6 +484,16 @@ class PostgresEngine(Engine):
     def set_autocommit(self, conn: Any, on: bool) -> None:
         conn.set_session(autocommit=on)
 
+    def rollback_open(self, conn: Any, cursor: Any) -> None:
+        """Roll back the transaction open on ``conn`` (in autocommit mode), if one is; never raises."""
+        from psycopg2.extensions import TRANSACTION_STATUS_IDLE
+
+        try:
+            if conn.get_transaction_status() != TRANSACTION_STATUS_IDLE:
+                cursor.execute("ROLLBACK")
+        except Exception:  # the connection is gone; adbapi's rollback replaces it
+            pass
+
     def insert_many_txn(
         self, cursor: Any, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], suffix: str = ""
     ) -> None:
@@ -540,7 +553,8 @@ class Txn:
         desc: the description the interaction was started with.
     """
 
-    def __init__(self, cursor: Any, engine: Engine, desc: str, *, defer_writes: bool = False):
+    def __init__(self, cursor: Any, engine: Engine, desc: str, *, defer_writes: bool = False,
+                 begin: bool = False):
         self._cursor = cursor
         self.engine = engine
         self.desc = desc
@@ -548,24 +562,53 @@ class Txn:
         self._on_exception: list[tuple[Callback, tuple[Any, ...]]] = []
         #: Writes not yet sent (``defer_writes``): they go out together before the next statement.
         self._deferred: list[bytes] | None = [] if defer_writes else None
+        #: ``"BEGIN;"`` until the first statement sent carries it (``begin``: on a connection in
+        #: autocommit mode, this Txn opens the transaction itself and ends it with :meth:`_commit`).
+        self._begin = "BEGIN;" if begin else ""
 
     def execute(self, sql: str, args: Sequence[Any] = ()) -> None:
         """Run one statement written with ``?`` placeholders."""
         if self._deferred:
             self.flush_writes()
-        self._cursor.execute(self.engine.convert_placeholders(sql), tuple(args))
+        sql = self.engine.convert_placeholders(sql)
+        if self._begin:
+            sql, self._begin = self._begin + sql, ""
+        self._cursor.execute(sql, tuple(args))
 
     def execute_raw(self, sql: str) -> None:
         """Run one statement exactly as written, without parameters (DDL, migrations)."""
         if self._deferred:
             self.flush_writes()
+        if self._begin:
+            sql, self._begin = self._begin + sql, ""
         self._cursor.execute(sql)
 
     def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
         """Run one ``?`` statement once per row of parameters."""
         if self._deferred:
             self.flush_writes()
+        self._start()
         self._cursor.executemany(self.engine.convert_placeholders(sql), [tuple(r) for r in rows])
+
+    def _start(self) -> None:
+        """Open the transaction now if this Txn opens it and nothing has yet (before a driver call that
+        sends statements of its own)."""
+        if self._begin:
+            self._begin = ""
+            self._cursor.execute("BEGIN")
+
+    def _commit(self) -> None:
+        """End a transaction this Txn opened: deferred writes and ``COMMIT`` in one round trip (nothing at
+        all if no statement was sent)."""
+        pending = self._deferred or []
+        if self._deferred:
+            self._deferred = []
+        if self._begin:  # nothing sent: no transaction to end, unless the writes open one now
+            self._begin = ""
+            if pending:
+                self._cursor.execute(b"BEGIN;" + b";".join(pending) + b";COMMIT")
+            return
+        self._cursor.execute(b";".join([*pending, b"COMMIT"]))
 
     def flush_writes(self) -> None:
         """Send the writes :meth:`insert_many` and :meth:`upsert_many` deferred, in one round trip.
@@ -579,7 +622,10 @@ class Txn:
         pending = self._deferred
         if pending:
             self._deferred = []
-            self._cursor.execute(pending[0] if len(pending) == 1 else b";".join(pending))
+            text = pending[0] if len(pending) == 1 else b";".join(pending)
+            if self._begin:
+                text, self._begin = b"BEGIN;" + text, ""
+            self._cursor.execute(text)
 
     def insert_many(self, table: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
         """Insert many rows with few statements (multi-row VALUES on PostgreSQL).
@@ -610,6 +656,7 @@ class Txn:
             if rendered is not None:
                 self._deferred.extend(rendered)
                 return
+        self._start()
         self.engine.insert_many_txn(self._cursor, table, columns, rows, suffix)
 
     def upsert_many(self, table: str, keys: Sequence[str], values: Sequence[str],
@@ -783,8 +830,10 @@ class Database:
         def attempt(box: list[Txn]) -> Deferred[Any]:
             if read_only and self._inline_reads:
                 return self._read_inline(box, desc, func, args, kwargs, one_statement)
-            if one_statement and self.engine.name == "postgres":
-                return self._pool.runWithConnection(self._autocommit_txn, box, desc, func, args, kwargs, True)
+            if self.engine.name == "postgres":
+                if one_statement:
+                    return self._pool.runWithConnection(self._autocommit_txn, box, desc, func, args, kwargs, True)
+                return self._pool.runWithConnection(self._explicit_txn, box, desc, func, args, kwargs, read_only)
             return self._pool.runInteraction(self._interaction_txn, box, desc, func, args, kwargs, read_only,
                                              one_statement)
 
@@ -885,6 +934,37 @@ class Database:
         result = _check_sync(func, func(txn, *args, **kwargs))
         txn.flush_writes()  # before adbapi's COMMIT
         return result
+
+    def _explicit_txn(self, conn: Any, box: list[Txn], desc: str, func: Callable[..., Any],
+                      args: tuple[Any, ...], kwargs: dict[str, Any], read_only: bool) -> Any:
+        """A PostgreSQL transaction whose ``BEGIN`` and ``COMMIT`` ride on its first and last statements.
+
+        psycopg2 sends ``BEGIN`` before a transaction's first statement and
+        ``COMMIT`` after its last, a round trip each. Here the connection is
+        in autocommit mode for the interaction and the Txn opens the
+        transaction itself: ``BEGIN;`` goes out in front of its first
+        statement, and its deferred writes and ``COMMIT`` together at the end
+        (a message's persist transaction: 3 round trips instead of 5). If
+        ``func`` or a statement fails, the transaction is rolled back here,
+        before adbapi's rollback (a no-op in autocommit mode).
+        """
+        cursor = conn.cursor()
+        txn = Txn(cursor, self.engine, desc, defer_writes=not read_only, begin=True)
+        box.append(txn)
+        self.engine.set_autocommit(conn, True)
+        try:
+            result = _check_sync(func, func(txn, *args, **kwargs))
+            txn._commit()
+            return result
+        except BaseException:
+            self.engine.rollback_open(conn, cursor)
+            raise
+        finally:
+            try:
+                self.engine.set_autocommit(conn, False)
+                cursor.close()
+            except Exception:  # the connection is gone; adbapi's rollback replaces it
+                pass
 
     def _autocommit_txn(self, conn: Any, box: list[Txn], desc: str, func: Callable[..., Any],
                         args: tuple[Any, ...], kwargs: dict[str, Any], one_statement: bool = False) -> Any:

@@ -683,6 +683,70 @@ class PostgresDatabaseTests(DatabaseTestsMixin, TestCase):
         self.assertEqual(len(sent), 1)
         self.assertEqual(await db.run_interaction("read", select_items_txn), [(1, "a"), (2, "b2"), (3, "50% 'c'")])
 
+    async def test_begin_and_commit_ride_on_the_first_and_last_statements(self) -> None:
+        """On PostgreSQL a transaction is 2 round trips for a read and a write, not 4: ``BEGIN`` goes out with
+        its first statement and ``COMMIT`` with its writes; a function that sends nothing sends nothing."""
+        import psycopg2.extensions as ext
+
+        db = await self.make_db(cp_min=1, cp_max=1)
+        sent: list[str] = []
+        status: list[int] = []
+
+        def count(txn: Txn) -> None:
+            cursor = txn._cursor
+
+            class Counting:
+                def __getattr__(self, name: str) -> Any:
+                    return getattr(cursor, name)
+
+                def execute(self, sql: Any, args: Any = None) -> None:
+                    sent.append(sql.decode() if isinstance(sql, bytes) else sql)
+                    cursor.execute(sql, args)
+
+            txn._cursor = Counting()
+
+        def write_txn(txn: Txn) -> None:
+            count(txn)
+            txn.execute("SELECT count(*) FROM items")
+            status.append(cursor_status(txn))
+            txn.insert_many("items", ("id", "name"), [(1, "a")])
+
+        def cursor_status(txn: Txn) -> int:
+            return int(txn._cursor.connection.get_transaction_status())
+
+        await db.run_interaction("write", write_txn)
+        self.assertEqual(len(sent), 2, sent)
+        self.assertTrue(sent[0].startswith("BEGIN;SELECT"), sent[0])
+        self.assertTrue(sent[1].startswith("INSERT INTO items") and sent[1].endswith(";COMMIT"), sent[1])
+        self.assertEqual(status, [ext.TRANSACTION_STATUS_INTRANS])
+        sent.clear()
+        await db.run_interaction("nothing", lambda txn: count(txn))
+        self.assertEqual(sent, [])
+        self.assertEqual(await db.run_interaction("read", select_items_txn), [(1, "a")])
+
+    async def test_failed_transaction_leaves_its_connection_usable(self) -> None:
+        """A statement failing inside a transaction rolls it back on the pool's one connection, which then
+        runs the next interactions (autocommit ones too) normally, and a failing function's reads and writes
+        leave nothing."""
+        db = await self.make_db(cp_min=1, cp_max=1)
+        await db.run_interaction("insert", insert_item_txn, 1, "one")
+
+        def failing_txn(txn: Txn) -> None:
+            insert_item_txn(txn, 2, "two")
+            insert_item_txn(txn, 1, "again")  # fails now: a statement, not a deferred write
+
+        await self.assertFailure(db.run_interaction("fail", failing_txn), self.integrity_error())
+
+        def raising_txn(txn: Txn) -> None:
+            txn.insert_many("items", ("id", "name"), [(3, "three")])
+            select_items_txn(txn)
+            raise Boom()
+
+        await self.assertFailure(db.run_interaction("raise", raising_txn), Boom)
+        await db.run_interaction("insert", insert_item_txn, 4, "four")
+        await db.run_autocommit("insert", insert_item_txn, 5, "five")
+        self.assertEqual(await db.run_interaction("read", select_items_txn), [(1, "one"), (4, "four"), (5, "five")])
+
     async def kill_backend(self, db: Database) -> int:
         """Terminate the PostgreSQL backend serving the pool's only connection."""
         from tests.services import pg_connect
