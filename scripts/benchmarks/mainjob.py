@@ -193,11 +193,13 @@ def run(quick: bool, progress: Progress) -> dict[str, Any]:
          "label": f"main job: CPU of the set-up ({args.users} users, {args.rooms} shared rooms), every process",
          "unit": "s", "value": setup_cpu},
     ]
+    syncs_per_message = report.sync_requests / report.sent if report.sent else None
     progress(f"send p50/p99 {send['p50']:.1f}/{send['p99']:.1f} ms, visible p50/p99 {visible['p50']:.1f}/"
              f"{visible['p99']:.1f} ms, {report.events_per_s:,.0f} events/s, {total_cpu:.2f} ms CPU/message "
-             f"(+ {driver_ms:.2f} the driver), {cores_busy:.2f} of {cores} cores busy")
+             f"(+ {driver_ms:.2f} the driver), {cores_busy:.2f} of {cores} cores busy, "
+             f"{report.sync_requests:,} sync responses ({syncs_per_message or 0:.2f} a message)")
     return {"rows": rows, "targets": TARGETS,
             "extra": {"cpu_ms_per_message": per_message, "driver_cpu_ms_per_message": driver_ms,
                       "cores_while_sending": by_process,
                       "cores_busy": cores_busy, "setup_cpu_s": setup_cpu, "traffic_s": traffic_s,
-                      "sent": report.sent, "sync_responses_per_message": report.sync_requests / report.sent}}
+                      "sent": report.sent, "sync_responses_per_message": syncs_per_message}}
