@@ -613,11 +613,12 @@ class Txn:
     def flush_writes(self) -> None:
         """Send the writes :meth:`insert_many` and :meth:`upsert_many` deferred, in one round trip.
 
-        Called before any other statement, before :attr:`rowcount` is read and
-        when the interaction's function returns (before COMMIT), so statements
-        run in the order they were made and a failing write fails the
-        transaction as it would have at once: a write's error is raised here
-        instead of from the call that made it.
+        Called before any other statement and before :attr:`rowcount` is read;
+        what is left when the interaction's function returns goes out with its
+        ``COMMIT`` (:meth:`Database._explicit_txn`). Statements run in the
+        order they were made, and a failing write fails the transaction as it
+        would have at once, its error raised by the call that sends it (this
+        one, or the commit) instead of by the call that made it.
         """
         pending = self._deferred
         if pending:
@@ -927,13 +928,10 @@ class Database:
     def _interaction_txn(self, cursor: Any, box: list[Txn], desc: str, func: Callable[..., Any],
                          args: tuple[Any, ...], kwargs: dict[str, Any], read_only: bool = False,
                          one_statement: bool = False) -> Any:
-        txn = (_OneStatementTxn(cursor, self.engine, desc) if one_statement
-               else Txn(cursor, self.engine, desc, defer_writes=not read_only))
+        txn = _OneStatementTxn(cursor, self.engine, desc) if one_statement else Txn(cursor, self.engine, desc)
         box.append(txn)
         self.engine.begin_txn(cursor, read_only)
-        result = _check_sync(func, func(txn, *args, **kwargs))
-        txn.flush_writes()  # before adbapi's COMMIT
-        return result
+        return _check_sync(func, func(txn, *args, **kwargs))
 
     def _explicit_txn(self, conn: Any, box: list[Txn], desc: str, func: Callable[..., Any],
                       args: tuple[Any, ...], kwargs: dict[str, Any], read_only: bool) -> Any:
@@ -943,8 +941,10 @@ class Database:
         ``COMMIT`` after its last, a round trip each. Here the connection is
         in autocommit mode for the interaction and the Txn opens the
         transaction itself: ``BEGIN;`` goes out in front of its first
-        statement, and its deferred writes and ``COMMIT`` together at the end
-        (a message's persist transaction: 3 round trips instead of 5). If
+        statement, and its deferred writes (:meth:`Txn.flush_writes`) and
+        ``COMMIT`` together at the end (a message's persist transaction: 3
+        round trips, where sending each write, ``BEGIN`` and ``COMMIT`` on its
+        own made 7). If
         ``func`` or a statement fails, the transaction is rolled back here,
         before adbapi's rollback (a no-op in autocommit mode).
         """
