@@ -21,13 +21,14 @@ Internal to synflow: not part of the public API (``synflow.api``).
 from __future__ import annotations
 
 import abc
+import contextlib
 import functools
 import os
 import random
 import re
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, Literal, cast
 
 import attrs
@@ -948,32 +949,31 @@ class Database:
         ``func`` or a statement fails, the transaction is rolled back here,
         before adbapi's rollback (a no-op in autocommit mode).
         """
-        cursor = conn.cursor()
-        txn = Txn(cursor, self.engine, desc, defer_writes=not read_only, begin=True)
-        box.append(txn)
-        self.engine.set_autocommit(conn, True)
-        try:
-            result = _check_sync(func, func(txn, *args, **kwargs))
-            txn._commit()
-            return result
-        except BaseException:
-            self.engine.rollback_open(conn, cursor)
-            raise
-        finally:
+        with self._autocommit_cursor(conn) as cursor:
+            txn = Txn(cursor, self.engine, desc, defer_writes=not read_only, begin=True)
+            box.append(txn)
             try:
-                self.engine.set_autocommit(conn, False)
-                cursor.close()
-            except Exception:  # the connection is gone; adbapi's rollback replaces it
-                pass
+                result = _check_sync(func, func(txn, *args, **kwargs))
+                txn._commit()
+                return result
+            except BaseException:
+                self.engine.rollback_open(conn, cursor)
+                raise
 
     def _autocommit_txn(self, conn: Any, box: list[Txn], desc: str, func: Callable[..., Any],
                         args: tuple[Any, ...], kwargs: dict[str, Any], one_statement: bool = False) -> Any:
+        with self._autocommit_cursor(conn) as cursor:
+            txn = _OneStatementTxn(cursor, self.engine, desc) if one_statement else Txn(cursor, self.engine, desc)
+            box.append(txn)
+            return _check_sync(func, func(txn, *args, **kwargs))
+
+    @contextlib.contextmanager
+    def _autocommit_cursor(self, conn: Any) -> Iterator[Any]:
+        """A cursor on ``conn`` switched to autocommit mode; afterwards back to transactions, the cursor closed."""
         cursor = conn.cursor()
-        txn = _OneStatementTxn(cursor, self.engine, desc) if one_statement else Txn(cursor, self.engine, desc)
-        box.append(txn)
         self.engine.set_autocommit(conn, True)
         try:
-            return _check_sync(func, func(txn, *args, **kwargs))
+            yield cursor
         finally:
             try:
                 self.engine.set_autocommit(conn, False)

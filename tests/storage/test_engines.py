@@ -242,6 +242,21 @@ def select_one_txn(txn: Txn) -> int:
     return int(row[0])
 
 
+def record_statements(txn: Txn, sent: list[str]) -> None:
+    """Append the text of every statement ``txn`` sends its cursor from now on to ``sent``."""
+    cursor = txn._cursor
+
+    class Recording:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(cursor, name)
+
+        def execute(self, sql: Any, args: Any = None) -> None:
+            sent.append(sql.decode() if isinstance(sql, bytes) else sql)
+            cursor.execute(sql, args)
+
+    txn._cursor = Recording()
+
+
 class Boom(Exception):
     """Raised by test interactions to force a rollback."""
 
@@ -660,20 +675,10 @@ class PostgresDatabaseTests(DatabaseTestsMixin, TestCase):
         """On PostgreSQL the ``insert_many`` and ``upsert_many`` of a transaction reach the server as one
         statement text, sent before the next statement or the commit, not one round trip each."""
         db = await self.make_db()
-        sent: list[bytes | str] = []
+        sent: list[str] = []
 
         def write_txn(txn: Txn) -> None:
-            cursor = txn._cursor
-
-            class Counting:
-                def __getattr__(self, name: str) -> Any:
-                    return getattr(cursor, name)
-
-                def execute(self, sql: Any, args: Any = None) -> None:
-                    sent.append(sql)
-                    cursor.execute(sql, args)
-
-            txn._cursor = Counting()
+            record_statements(txn, sent)
             txn.insert_many("items", ("id", "name"), [(1, "a"), (2, "b")])
             txn.upsert_many("items", ("id",), ("name",), [(2, "b2")])
             txn.insert_many("items", ("id", "name"), [(3, "50% 'c'")])
@@ -692,21 +697,8 @@ class PostgresDatabaseTests(DatabaseTestsMixin, TestCase):
         sent: list[str] = []
         status: list[int] = []
 
-        def count(txn: Txn) -> None:
-            cursor = txn._cursor
-
-            class Counting:
-                def __getattr__(self, name: str) -> Any:
-                    return getattr(cursor, name)
-
-                def execute(self, sql: Any, args: Any = None) -> None:
-                    sent.append(sql.decode() if isinstance(sql, bytes) else sql)
-                    cursor.execute(sql, args)
-
-            txn._cursor = Counting()
-
         def write_txn(txn: Txn) -> None:
-            count(txn)
+            record_statements(txn, sent)
             txn.execute("SELECT count(*) FROM items")
             status.append(cursor_status(txn))
             txn.insert_many("items", ("id", "name"), [(1, "a")])
@@ -720,7 +712,7 @@ class PostgresDatabaseTests(DatabaseTestsMixin, TestCase):
         self.assertTrue(sent[1].startswith("INSERT INTO items") and sent[1].endswith(";COMMIT"), sent[1])
         self.assertEqual(status, [ext.TRANSACTION_STATUS_INTRANS])
         sent.clear()
-        await db.run_interaction("nothing", lambda txn: count(txn))
+        await db.run_interaction("nothing", record_statements, sent)
         self.assertEqual(sent, [])
         self.assertEqual(await db.run_interaction("read", select_items_txn), [(1, "a")])
 
