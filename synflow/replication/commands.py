@@ -30,6 +30,7 @@ import enum
 import json
 import json.scanner
 import math
+import operator
 import re
 from collections.abc import Callable
 from typing import Any, ClassVar, Final, Protocol, TypeAlias
@@ -245,7 +246,24 @@ def _decode_row(row_json: str) -> list[Any]:
 # -- commands with a single free-text argument -------------------------------
 
 
-@attrs.frozen
+def _init_text(cmd: Any, value: str) -> None:
+    """The ``__init__`` of a command whose one field is free text: any ``str`` without a newline.
+
+    The field is stored through its slot's own setter (see
+    :func:`_slot_setters`) where attrs's frozen ``__init__`` would go through
+    ``object.__setattr__`` and then call the validator; anything else (a
+    value that is not such a text, a subclass) takes that same path, and the
+    validator raises :class:`~synflow.errors.LocalProtocolError` naming the field.
+    """
+    store = _TEXT_FIELD_SETTER.get(type(cmd))
+    if store is not None and type(value) is str and "\n" not in value:
+        store(cmd, value)
+    else:
+        _store_and_validate(cmd, **{attrs.fields(type(cmd))[0].name: value})
+
+
+
+@attrs.frozen(init=False)
 class ServerCommand:
     """``SERVER <server_name>`` -- the server's identity, its first line.
 
@@ -256,6 +274,9 @@ class ServerCommand:
     SENDERS: ClassVar[Side] = Side.SERVER
     server_name: str = attrs.field(validator=_check_text)
 
+    def __init__(self, server_name: str) -> None:
+        _init_text(self, server_name)
+
     @classmethod
     def from_args(cls, args: str) -> ServerCommand:
         return cls(args)
@@ -264,7 +285,7 @@ class ServerCommand:
         return self.server_name
 
 
-@attrs.frozen
+@attrs.frozen(init=False)
 class NameCommand:
     """``NAME <instance_name>`` -- the client names itself for logs and metrics.
 
@@ -275,6 +296,9 @@ class NameCommand:
     SENDERS: ClassVar[Side] = Side.CLIENT
     name: str = attrs.field(validator=_check_text)
 
+    def __init__(self, name: str) -> None:
+        _init_text(self, name)
+
     @classmethod
     def from_args(cls, args: str) -> NameCommand:
         return cls(args)
@@ -283,7 +307,7 @@ class NameCommand:
         return self.name
 
 
-@attrs.frozen
+@attrs.frozen(init=False)
 class PingCommand:
     """``PING <data>`` -- keep-alive; the data is conventionally ms since the epoch.
 
@@ -294,6 +318,9 @@ class PingCommand:
     SENDERS: ClassVar[Side] = Side.BOTH
     data: str = attrs.field(validator=_check_text)
 
+    def __init__(self, data: str) -> None:
+        _init_text(self, data)
+
     @classmethod
     def from_args(cls, args: str) -> PingCommand:
         return cls(args)
@@ -302,7 +329,7 @@ class PingCommand:
         return self.data
 
 
-@attrs.frozen
+@attrs.frozen(init=False)
 class ErrorCommand:
     """``ERROR <message>`` -- the sender hit an error and usually closes.
 
@@ -313,6 +340,9 @@ class ErrorCommand:
     SENDERS: ClassVar[Side] = Side.BOTH
     message: str = attrs.field(validator=_check_text)
 
+    def __init__(self, message: str) -> None:
+        _init_text(self, message)
+
     @classmethod
     def from_args(cls, args: str) -> ErrorCommand:
         return cls(args)
@@ -321,7 +351,7 @@ class ErrorCommand:
         return self.message
 
 
-@attrs.frozen
+@attrs.frozen(init=False)
 class ClearUserSyncCommand:
     """``CLEAR_USER_SYNC <instance_id>`` -- forget every syncing user of that process.
 
@@ -332,6 +362,9 @@ class ClearUserSyncCommand:
     SENDERS: ClassVar[Side] = Side.CLIENT
     instance_id: str = attrs.field(validator=_check_text)
 
+    def __init__(self, instance_id: str) -> None:
+        _init_text(self, instance_id)
+
     @classmethod
     def from_args(cls, args: str) -> ClearUserSyncCommand:
         return cls(args)
@@ -340,7 +373,7 @@ class ClearUserSyncCommand:
         return self.instance_id
 
 
-@attrs.frozen
+@attrs.frozen(init=False)
 class RemoteServerUpCommand:
     """``REMOTE_SERVER_UP <server_name>`` -- a remote server seems reachable again.
 
@@ -351,6 +384,9 @@ class RemoteServerUpCommand:
     SENDERS: ClassVar[Side] = Side.BOTH
     server_name: str = attrs.field(validator=_check_text)
 
+    def __init__(self, server_name: str) -> None:
+        _init_text(self, server_name)
+
     @classmethod
     def from_args(cls, args: str) -> RemoteServerUpCommand:
         return cls(args)
@@ -359,7 +395,7 @@ class RemoteServerUpCommand:
         return self.server_name
 
 
-@attrs.frozen
+@attrs.frozen(init=False)
 class AuthCommand:
     """``AUTH <secret>`` -- the first line of a client when the hub requires a secret.
 
@@ -373,6 +409,9 @@ class AuthCommand:
     NAME: ClassVar[str] = "AUTH"
     SENDERS: ClassVar[Side] = Side.CLIENT
     secret: str = attrs.field(validator=_check_text, repr=False)
+
+    def __init__(self, secret: str) -> None:
+        _init_text(self, secret)
 
     @classmethod
     def from_args(cls, args: str) -> AuthCommand:
@@ -839,6 +878,14 @@ _TEXT_FIELD: Final[dict[type[AnyCommand], str]] = {
 _TEXT_FIELD_SETTER: Final[dict[type[AnyCommand], Any]] = {
     cls: _slot_setters(cls, name)[0] for cls, name in _TEXT_FIELD.items()
 }
+#: By wire name: the class of each of those commands and its field's slot setter (what parsing needs).
+_TEXT_PARSE: Final[dict[str, tuple[type[AnyCommand], Any]]] = {
+    cls.NAME: (cls, store) for cls, store in _TEXT_FIELD_SETTER.items()
+}
+#: By class: the line's start (the name and a space) and a getter of the field (what encoding needs).
+_TEXT_ENCODE: Final[dict[type[AnyCommand], tuple[str, Callable[[Any], str]]]] = {
+    cls: (f"{cls.NAME} ", operator.attrgetter(name)) for cls, name in _TEXT_FIELD.items()
+}
 
 
 def parse_line(line: str | bytes, *, decode_rows: bool = True) -> AnyCommand:
@@ -891,23 +938,23 @@ def parse_line(line: str | bytes, *, decode_rows: bool = True) -> AnyCommand:
         if name == "POSITION" and " " not in parts[4]:
             return _position_from_fields(parts[1], parts[2], parts[3], parts[4], raw)
     args = text[len(name) + 1:]
-    cmd: AnyCommand
+    text_command = _TEXT_PARSE.get(name)
+    if text_command is not None:
+        cls, store = text_command
+        cmd = _new(cls)
+        store(cmd, args)  # any text without a newline: checked above
+        return cmd
     if name == "RDATA":  # too few arguments: the message says so
         return _parse_rdata(args, decode_rows, raw)
     if name == "POSITION":
         return _parse_position(args, raw)
     if not name:
         raise RemoteProtocolError("empty line" if not text else "line starts with a space")
-    cls = COMMANDS.get(name)
-    if cls is None:
+    other = COMMANDS.get(name)
+    if other is None:
         raise RemoteProtocolError(f"unknown command {name[:64]!r}")
-    store = _TEXT_FIELD_SETTER.get(cls)
-    if store is not None:
-        cmd = _new(cls)
-        store(cmd, args)  # any text without a newline: checked above
-        return cmd
     try:
-        cmd = cls.from_args(args)
+        cmd = other.from_args(args)
     except RemoteProtocolError:
         raise
     except LocalProtocolError as e:
@@ -953,24 +1000,48 @@ def encode_line_bytes(cmd: AnyCommand) -> bytes:
     if kind is RdataCommand:
         data = c.wire
         if data is None:
-            # Every field was checked when the command was built.
+            # Every field was checked when the command was built: neither word
+            # holds a space or newline, nor does compact JSON hold a newline.
             row = c._row
-            data = _rdata_line(c.stream_name, c.instance_name, c.token, c.row if type(row) is str else row)
+            if type(row) is str:
+                row = c.row  # decoded, and so checked, first
+            token = c.token
+            try:
+                if _encode_json_chunks is not None and type(row) is list:
+                    data = (f"RDATA {c.stream_name} {c.instance_name} {BATCH_TOKEN if token is None else token} "
+                            f"{''.join(_encode_json_chunks(row, 0))}").encode()
+                else:
+                    data = (f"RDATA {c.stream_name} {c.instance_name} {BATCH_TOKEN if token is None else token} "
+                            f"{_json_encoder.encode(row)}").encode()
+            except UnicodeEncodeError as e:  # before ValueError, its base: a lone surrogate in a word
+                raise LocalProtocolError(f"RDATA line is not encodable as UTF-8: {e.reason}") from None
+            except (TypeError, ValueError, RecursionError) as e:
+                raise LocalProtocolError(f"row is not encodable as JSON: {e}") from None
+            if len(data) > MAX_LINE_LENGTH:
+                raise LocalProtocolError(
+                    f"RDATA line is {len(data)} bytes, longer than the limit of {MAX_LINE_LENGTH}; not sent"
+                )
             _rdata_wire(c, data)  # sent to several connections: encoded once
         return data
     if kind is PositionCommand:
         data = c.wire
         if data is None:
-            line = f"POSITION {c.stream_name} {c.instance_name} {c.prev_token} {c.new_token}"
-            data = _utf8_line(line, "POSITION")
+            try:
+                data = f"POSITION {c.stream_name} {c.instance_name} {c.prev_token} {c.new_token}".encode()
+            except UnicodeEncodeError as e:  # a lone surrogate in a word
+                raise LocalProtocolError(f"POSITION line is not encodable as UTF-8: {e.reason}") from None
             if len(data) > MAX_LINE_LENGTH:
                 encode_line(c)  # raises, with the size
             _position_wire(c, data)
         return data
-    field = _TEXT_FIELD.get(kind)
-    if field is not None:
+    text_command = _TEXT_ENCODE.get(kind)
+    if text_command is not None:
         # The field holds no newline (checked when the command was built).
-        data = _utf8_line(f"{c.NAME} {getattr(c, field)}", c.NAME)
+        start, field = text_command
+        try:
+            data = (start + field(c)).encode()
+        except UnicodeEncodeError as e:
+            raise LocalProtocolError(f"{c.NAME} line is not encodable as UTF-8: {e.reason}") from None
         if len(data) > MAX_LINE_LENGTH:
             encode_line(c)  # raises, with the size
         return data
@@ -982,24 +1053,3 @@ def _utf8_line(line: str, name: str) -> bytes:
         return line.encode()
     except UnicodeEncodeError as e:
         raise LocalProtocolError(f"{name} line is not encodable as UTF-8: {e.reason}") from None
-
-
-def _rdata_line(stream_name: str, instance_name: str, token: int | None, row: list[Any]) -> bytes:
-    """The bytes of an RDATA line from fields already checked; LocalProtocolError if they cannot be sent."""
-    # Neither word holds a space or newline, nor does compact JSON hold a newline.
-    try:
-        if _encode_json_chunks is not None and type(row) is list:
-            data = (f"RDATA {stream_name} {instance_name} {BATCH_TOKEN if token is None else token} "
-                    f"{''.join(_encode_json_chunks(row, 0))}").encode()
-        else:
-            data = (f"RDATA {stream_name} {instance_name} {BATCH_TOKEN if token is None else token} "
-                    f"{_json_encoder.encode(row)}").encode()
-    except UnicodeEncodeError as e:  # before ValueError, its base: a lone surrogate in a word
-        raise LocalProtocolError(f"RDATA line is not encodable as UTF-8: {e.reason}") from None
-    except (TypeError, ValueError, RecursionError) as e:
-        raise LocalProtocolError(f"row is not encodable as JSON: {e}") from None
-    if len(data) > MAX_LINE_LENGTH:
-        raise LocalProtocolError(
-            f"RDATA line is {len(data)} bytes, longer than the limit of {MAX_LINE_LENGTH}; not sent"
-        )
-    return data

@@ -195,6 +195,39 @@ class FastConstructionTest(SynchronousTestCase):
             with self.assertRaises(attrs.exceptions.FrozenInstanceError):
                 delattr(parsed, field.name)
 
+    def test_text_commands_build_as_their_validators_allow(self):
+        """A text command's own ``__init__`` stores any text without a newline and refuses what its validator refuses."""
+        text_commands = [cls for cls in COMMANDS.values()
+                         if len(attrs.fields(cls)) == 1 and attrs.fields(cls)[0].validator is not None
+                         and cls is not ReplicateCommand]
+        self.assertEqual(len(text_commands), 7)
+        for cls in text_commands:
+            field = attrs.fields(cls)[0].name
+            for text in ("", "a b  c", "é\t\x00"):
+                cmd = cls(text)
+                self.assertEqual(getattr(cmd, field), text)
+                self.assertEqual(cls(**{field: text}), cmd)
+                attrs.validate(cmd)
+                with self.assertRaises(attrs.exceptions.FrozenInstanceError):
+                    setattr(cmd, field, "other")
+            for bad, why in ((1, "must be a str"), (b"x", "must be a str"), (None, "must be a str"),
+                             ("a\nb", "may not contain a newline")):
+                with self.assertRaises(LocalProtocolError, msg=repr((cls, bad))) as cm:
+                    cls(bad)
+                self.assertIn(f"{cls.__name__}.{field} {why}", str(cm.exception))
+
+            class Text(str):
+                pass
+
+            self.assertEqual(getattr(cls(Text("a b")), field), "a b")  # a str subclass, as the validator allows
+
+            class Sub(cls):  # type: ignore[valid-type,misc]  # a plain subclass goes through the validator
+                __slots__ = ()
+
+            self.assertEqual(getattr(Sub("x"), field), "x")
+            with self.assertRaises(LocalProtocolError):
+                Sub("a\nb")
+
     def test_fast_constructors_refuse_what_validators_refuse(self):
         """The inlined checks of RDATA and POSITION refuse exactly what their field validators refuse."""
         for args in (("", "w1", 1), ("s s", "w1", 1), ("s", "w\n1", 1), ("s", "w1", 2**63), ("s", "w1", True),
