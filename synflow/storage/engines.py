@@ -446,6 +446,47 @@ SCHEMA_LOCK_ID = int.from_bytes(b"synflow", "big")
 _PG_TRANSIENT_CODES = ("57P01", "57P02", "57P03", "53300")
 
 
+def plain_pg_literals(connection: Any) -> bool:
+    """Whether :func:`pg_literal` may quote values for this psycopg2 connection.
+
+    That is when the server reads a string literal as its text with each
+    quote doubled (``standard_conforming_strings`` on, PostgreSQL's default
+    since 9.1) and the client encoding is UTF-8, both psycopg2's and the
+    server's: then a backslash is an ordinary character, and no byte of a
+    UTF-8 sequence is a quote. The server's settings are read from what it
+    last reported on this connection, so a ``SET`` of either is seen.
+    """
+    status = connection.get_parameter_status
+    return bool(connection.encoding == "UTF8" and status("client_encoding") == "UTF8"
+                and status("standard_conforming_strings") == "on")
+
+
+def pg_literal(value: Any, mogrify: Callable[[bytes, Sequence[Any]], bytes]) -> bytes:
+    """``value`` as an SQL literal, byte for byte what psycopg2's ``mogrify(b"%s", (value,))`` gives.
+
+    For a connection where :func:`plain_pg_literals` holds. ``str``, ``int``
+    and ``None`` -- most of what synflow writes -- are quoted here, about ten
+    times faster than through psycopg2's adapters; anything else (``bool``,
+    ``float``, ``bytes``, adapted types) goes to ``mogrify``.
+
+    Raises:
+        ValueError: a string holds a NUL character (as psycopg2 raises).
+        UnicodeEncodeError: a string is not encodable as UTF-8 (a lone surrogate).
+    """
+    kind = type(value)
+    if kind is str:
+        if "\x00" in value:
+            raise ValueError("A string literal cannot contain NUL (0x00) characters.")
+        return b"'" + value.replace("'", "''").encode() + b"'"
+    if kind is int:
+        # A negative number goes out after a space, as psycopg2 writes it: after
+        # a minus sign, "--" would start a comment.
+        return str(value).encode() if value >= 0 else b" " + str(value).encode()
+    if value is None:
+        return b"NULL"
+    return mogrify(b"%s", (value,))
+
+
 class PostgresEngine(Engine):
     """PostgreSQL through :mod:`psycopg2`."""
 
@@ -498,20 +539,23 @@ class PostgresEngine(Engine):
     def insert_many_txn(
         self, cursor: Any, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], suffix: str = ""
     ) -> None:
-        from psycopg2.extras import execute_values
-
-        sql = f"INSERT INTO {table} ({', '.join(columns)}) VALUES %s{suffix}"
-        execute_values(cursor, sql, rows, page_size=INSERT_PAGE_SIZE)
+        for statement in self.render_insert_many(cursor, table, columns, rows, suffix):
+            cursor.execute(statement)
 
     def render_insert_many(
         self, cursor: Any, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], suffix: str = ""
-    ) -> list[bytes] | None:
-        # What execute_values sends, page by page: each row through psycopg2's own quoting.
+    ) -> list[bytes]:
+        # What psycopg2's execute_values sends, page by page, with each value
+        # quoted as psycopg2 quotes it (see pg_literal).
         head = f"INSERT INTO {table} ({', '.join(columns)}) VALUES ".encode()
         tail = suffix.encode()
-        row_sql = ("(" + ",".join(["%s"] * len(columns)) + ")").encode()
         mogrify = cursor.mogrify
-        return [head + b",".join([mogrify(row_sql, row) for row in rows[i:i + INSERT_PAGE_SIZE]]) + tail
+        if not plain_pg_literals(cursor.connection):
+            row_sql = ("(" + ",".join(["%s"] * len(columns)) + ")").encode()
+            return [head + b",".join([mogrify(row_sql, row) for row in rows[i:i + INSERT_PAGE_SIZE]]) + tail
+                    for i in range(0, len(rows), INSERT_PAGE_SIZE)]
+        return [head + b",".join([b"(" + b",".join([pg_literal(value, mogrify) for value in row]) + b")"
+                                  for row in rows[i:i + INSERT_PAGE_SIZE]]) + tail
                 for i in range(0, len(rows), INSERT_PAGE_SIZE)]
 
     def table_exists_txn(self, txn: Txn, table: str) -> bool:

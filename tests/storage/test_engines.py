@@ -32,6 +32,8 @@ from synflow.storage.engines import (
     Txn,
     create_database,
     get_engine,
+    pg_literal,
+    plain_pg_literals,
     scan_sql,
 )
 from tests.dbutil import database_config, make_database
@@ -890,3 +892,78 @@ class SqliteTwoProcessTests(TestCase):
         # the two contended for the lock (whether or not their rows interleave).
         last_child_write = max(at for _, w, at in rows if w == "child")
         self.assertLess(parent_started, last_child_write, "the processes never overlapped")
+
+
+#: Values of the kinds synflow writes, and the kinds pg_literal hands to psycopg2.
+_SQL_VALUES = st.one_of(
+    st.none(),
+    st.integers(min_value=-(2**63), max_value=2**63 - 1),
+    st.text(),  # any text: quotes, backslashes, NUL, lone surrogates, "--", "%s"
+    st.text(alphabet="'\\\"%$-;\x00 aé\n", max_size=12),
+    st.booleans(),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.binary(max_size=8),
+)
+
+
+class PostgresLiteralTests(SynchronousTestCase):
+    """Bulk writes quote their values as psycopg2 does: the same bytes, the same errors, and the same
+    rows read back; and they let psycopg2 quote everything where the server reads literals otherwise."""
+
+    def setUp(self) -> None:
+        import psycopg2
+
+        config = database_config(self, "postgres")
+        self.conn = psycopg2.connect(host=config.host, port=config.port, user=config.user, dbname=config.dbname)
+        self.addCleanup(self.conn.close)
+        self.conn.autocommit = True
+        self.cursor = self.conn.cursor()
+
+    def quoted(self, value: Any) -> bytes | type[Exception]:
+        try:
+            return self.cursor.mogrify(b"%s", (value,))
+        except (ValueError, UnicodeEncodeError) as e:
+            return type(e)
+
+    @given(_SQL_VALUES)
+    def test_literals_are_psycopg2s(self, value: Any) -> None:
+        """Any value renders to exactly psycopg2's bytes, or fails with psycopg2's exception type."""
+        self.assertTrue(plain_pg_literals(self.conn))
+        expected = self.quoted(value)
+        try:
+            got: bytes | type[Exception] = pg_literal(value, self.cursor.mogrify)
+        except (ValueError, UnicodeEncodeError) as e:
+            got = type(e)
+        self.assertEqual(got, expected)
+
+    @given(st.lists(st.tuples(st.integers(min_value=-(2**63), max_value=2**63 - 1),
+                              st.one_of(st.none(), st.text().filter(lambda t: "\x00" not in t)),
+                              st.one_of(st.none(), st.binary(max_size=8))),
+                    max_size=5, unique_by=lambda row: row[0]))
+    def test_rendered_rows_read_back_as_written(self, rows: list[tuple[Any, ...]]) -> None:
+        """Rows written through the rendered INSERT come back from PostgreSQL as they were, whatever the text."""
+        rows = [(key, text.encode("utf-8", "surrogatepass").decode("utf-8", "replace") if text else text, blob)
+                for key, text, blob in rows]
+        self.cursor.execute("CREATE TABLE IF NOT EXISTS lit (k BIGINT PRIMARY KEY, t TEXT, b BYTEA)")
+        self.cursor.execute("TRUNCATE lit")
+        PG.insert_many_txn(self.cursor, "lit", ("k", "t", "b"), rows)
+        self.cursor.execute("SELECT k, t, b FROM lit ORDER BY k")
+        got = [(k, t, None if b is None else bytes(b)) for k, t, b in self.cursor.fetchall()]
+        self.assertEqual(got, sorted(rows, key=lambda row: row[0]))
+
+    def test_another_literal_syntax_leaves_the_quoting_to_psycopg2(self) -> None:
+        """With ``standard_conforming_strings`` off, a backslash escapes: every value goes through psycopg2."""
+        value = "a'b\\c"
+        self.assertEqual(pg_literal(value, self.cursor.mogrify), b"'a''b\\c'")
+        self.cursor.execute("SET standard_conforming_strings = off")
+        self.assertFalse(plain_pg_literals(self.conn))
+        statements = PG.render_insert_many(self.cursor, "lit", ("t",), [(value,)])
+        self.assertEqual(statements, [b"INSERT INTO lit (t) VALUES (" + self.cursor.mogrify(b"%s", (value,)) + b")"])
+        self.assertNotEqual(self.cursor.mogrify(b"%s", (value,)), b"'a''b\\c'")
+        self.cursor.execute("CREATE TABLE lit (t TEXT)")
+        self.cursor.execute(statements[0])
+        self.cursor.execute("SELECT t FROM lit")
+        self.assertEqual(self.cursor.fetchall(), [(value,)])
+        self.cursor.execute("SET standard_conforming_strings = on")
+        self.cursor.execute("SET client_encoding = 'LATIN1'")
+        self.assertFalse(plain_pg_literals(self.conn))
