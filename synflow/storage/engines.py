@@ -465,7 +465,7 @@ def pg_literal(value: Any, mogrify: Callable[[bytes, Sequence[Any]], bytes]) -> 
     """``value`` as an SQL literal, byte for byte what psycopg2's ``mogrify(b"%s", (value,))`` gives.
 
     For a connection where :func:`plain_pg_literals` holds. ``str``, ``int``
-    and ``None`` -- most of what synflow writes -- are quoted here, about ten
+    and ``None`` -- most of what synflow writes -- are quoted here, several
     times faster than through psycopg2's adapters; anything else (``bool``,
     ``float``, ``bytes``, adapted types) goes to ``mogrify``.
 
