@@ -330,6 +330,10 @@ class Engine(abc.ABC):
     ) -> None:
         """Insert ``rows`` into ``table`` in as few statements as is sensible (``suffix``: ON CONFLICT ...)."""
 
+    def execute(self, cursor: Any, sql: str, args: Sequence[Any]) -> None:
+        """Run one statement in the driver's placeholder style with its parameters."""
+        cursor.execute(sql, tuple(args))
+
     def render_insert_many(
         self, cursor: Any, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], suffix: str = ""
     ) -> list[bytes] | None:
@@ -536,6 +540,16 @@ class PostgresEngine(Engine):
         except Exception:  # the connection is gone; adbapi's rollback replaces it
             pass
 
+    def execute(self, cursor: Any, sql: str, args: Sequence[Any]) -> None:
+        # psycopg2 would put the parameters in through its adapters; pg_literal
+        # makes the same bytes (psycopg2 formats the statement with "%" too,
+        # and sends a statement given without parameters as it is).
+        if args and plain_pg_literals(cursor.connection):
+            mogrify = cursor.mogrify
+            cursor.execute(sql.encode() % tuple([pg_literal(value, mogrify) for value in args]))
+        else:
+            cursor.execute(sql, tuple(args))
+
     def insert_many_txn(
         self, cursor: Any, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], suffix: str = ""
     ) -> None:
@@ -618,7 +632,7 @@ class Txn:
         sql = self.engine.convert_placeholders(sql)
         if self._begin:
             sql, self._begin = self._begin + sql, ""
-        self._cursor.execute(sql, tuple(args))
+        self.engine.execute(self._cursor, sql, args)
 
     def execute_raw(self, sql: str) -> None:
         """Run one statement exactly as written, without parameters (DDL, migrations)."""

@@ -951,6 +951,25 @@ class PostgresLiteralTests(SynchronousTestCase):
         got = [(k, t, None if b is None else bytes(b)) for k, t, b in self.cursor.fetchall()]
         self.assertEqual(got, sorted(rows, key=lambda row: row[0]))
 
+    @given(st.lists(_SQL_VALUES, max_size=4))
+    def test_parameters_go_in_as_psycopg2_puts_them(self, values: list[Any]) -> None:
+        """A statement's parameters make the statement psycopg2 would send, "%" in its text included."""
+        sql = PG.convert_placeholders("SELECT '50%' " + "".join(", ?" for _ in values) + " WHERE 'a%' LIKE 'a%%'")
+        expected = self.quoted_statement(sql, values)
+        try:
+            PG.execute(self.cursor, sql, values)
+        except (ValueError, UnicodeEncodeError) as e:
+            self.assertEqual(type(e), expected)
+            return
+        self.assertEqual(self.cursor.query, expected)
+        self.assertEqual(self.cursor.fetchall()[0][0], "50%")
+
+    def quoted_statement(self, sql: str, values: list[Any]) -> bytes | type[Exception]:
+        try:
+            return self.cursor.mogrify(sql, values)
+        except (ValueError, UnicodeEncodeError) as e:
+            return type(e)
+
     def test_another_literal_syntax_leaves_the_quoting_to_psycopg2(self) -> None:
         """With ``standard_conforming_strings`` off, a backslash escapes: every value goes through psycopg2."""
         value = "a'b\\c"
