@@ -262,7 +262,6 @@ def _init_text(cmd: Any, value: str) -> None:
         _store_and_validate(cmd, **{attrs.fields(type(cmd))[0].name: value})
 
 
-
 @attrs.frozen(init=False)
 class ServerCommand:
     """``SERVER <server_name>`` -- the server's identity, its first line.

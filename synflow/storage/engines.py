@@ -725,10 +725,17 @@ class Txn:
 
         Rows repeating a key are collapsed to the last one (one statement
         may not update a row twice).
+
+        Raises:
+            ValueError: if a name is not a plain identifier or a row has the
+                wrong number of values.
         """
         latest: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        width = len(keys) + len(values)
         for row in rows:
             row = tuple(row)
+            if len(row) != width:
+                raise ValueError(f"row {row!r} has {len(row)} values for {width} columns")
             latest[row[: len(keys)]] = row
         if not latest:
             return

@@ -326,6 +326,21 @@ class DatabaseTestsMixin:
         d = db.run_interaction("insert_again", insert_item_txn, 1)
         await self.assertFailure(d, self.integrity_error())
 
+    async def test_bulk_writes_refuse_rows_of_the_wrong_length(self) -> None:
+        """``insert_many`` and ``upsert_many`` refuse a row with more or fewer values than columns, before sending."""
+        db = await self.make_db()
+        for row in ((1,), (1, "one", "extra")):
+            def insert_txn(txn: Txn, row: tuple[Any, ...] = row) -> None:
+                txn.insert_many("items", ("id", "name"), [(2, "two"), row])
+
+            def upsert_txn(txn: Txn, row: tuple[Any, ...] = row) -> None:
+                txn.upsert_many("items", ("id",), ("name",), [(2, "two"), row])
+
+            for fn in (insert_txn, upsert_txn):
+                failure = await self.assertFailure(db.run_interaction("bad", fn), ValueError)
+                self.assertIn(f"has {len(row)} values for 2 columns", str(failure))
+        self.assertEqual(await db.run_interaction("read", select_items_txn), [])
+
     async def test_insert_many(self) -> None:
         """``insert_many`` writes every row, across several statements, with awkward values intact."""
         db = await self.make_db()
