@@ -1025,10 +1025,7 @@ def encode_line_bytes(cmd: AnyCommand) -> bytes:
     if kind is PositionCommand:
         data = c.wire
         if data is None:
-            try:
-                data = f"POSITION {c.stream_name} {c.instance_name} {c.prev_token} {c.new_token}".encode()
-            except UnicodeEncodeError as e:  # a lone surrogate in a word
-                raise LocalProtocolError(f"POSITION line is not encodable as UTF-8: {e.reason}") from None
+            data = _utf8_line(f"POSITION {c.stream_name} {c.instance_name} {c.prev_token} {c.new_token}", "POSITION")
             if len(data) > MAX_LINE_LENGTH:
                 encode_line(c)  # raises, with the size
             _position_wire(c, data)
@@ -1037,10 +1034,7 @@ def encode_line_bytes(cmd: AnyCommand) -> bytes:
     if text_command is not None:
         # The field holds no newline (checked when the command was built).
         start, field = text_command
-        try:
-            data = (start + field(c)).encode()
-        except UnicodeEncodeError as e:
-            raise LocalProtocolError(f"{c.NAME} line is not encodable as UTF-8: {e.reason}") from None
+        data = _utf8_line(start + field(c), c.NAME)
         if len(data) > MAX_LINE_LENGTH:
             encode_line(c)  # raises, with the size
         return data

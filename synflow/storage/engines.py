@@ -564,12 +564,16 @@ class PostgresEngine(Engine):
         head = f"INSERT INTO {table} ({', '.join(columns)}) VALUES ".encode()
         tail = suffix.encode()
         mogrify = cursor.mogrify
-        if not plain_pg_literals(cursor.connection):
+        render: Callable[[Sequence[Any]], bytes]
+        if plain_pg_literals(cursor.connection):
+            def render(row: Sequence[Any]) -> bytes:
+                return b"(" + b",".join([pg_literal(value, mogrify) for value in row]) + b")"
+        else:
             row_sql = ("(" + ",".join(["%s"] * len(columns)) + ")").encode()
-            return [head + b",".join([mogrify(row_sql, row) for row in rows[i:i + INSERT_PAGE_SIZE]]) + tail
-                    for i in range(0, len(rows), INSERT_PAGE_SIZE)]
-        return [head + b",".join([b"(" + b",".join([pg_literal(value, mogrify) for value in row]) + b")"
-                                  for row in rows[i:i + INSERT_PAGE_SIZE]]) + tail
+
+            def render(row: Sequence[Any]) -> bytes:
+                return mogrify(row_sql, row)
+        return [head + b",".join([render(row) for row in rows[i:i + INSERT_PAGE_SIZE]]) + tail
                 for i in range(0, len(rows), INSERT_PAGE_SIZE)]
 
     def table_exists_txn(self, txn: Txn, table: str) -> bool:
@@ -702,10 +706,7 @@ class Txn:
         for ident in (table, *columns):
             if not _IDENTIFIER.match(ident):
                 raise ValueError(f"not a plain SQL identifier: {ident!r}")
-        batch = [tuple(r) for r in rows]
-        for row in batch:
-            if len(row) != len(columns):
-                raise ValueError(f"row {row!r} has {len(row)} values for {len(columns)} columns")
+        batch = _row_tuples(rows, len(columns))
         if batch:
             self._insert(table, columns, batch, "")
 
@@ -731,11 +732,7 @@ class Txn:
                 wrong number of values.
         """
         latest: dict[tuple[Any, ...], tuple[Any, ...]] = {}
-        width = len(keys) + len(values)
-        for row in rows:
-            row = tuple(row)
-            if len(row) != width:
-                raise ValueError(f"row {row!r} has {len(row)} values for {width} columns")
+        for row in _row_tuples(rows, len(keys) + len(values)):
             latest[row[: len(keys)]] = row
         if not latest:
             return
@@ -812,6 +809,19 @@ class _OneStatementTxn(Txn):
     def upsert_many(self, table: str, keys: Sequence[str], values: Sequence[str],
                     rows: Iterable[Sequence[Any]]) -> None:
         self._writes()
+
+
+def _row_tuples(rows: Iterable[Sequence[Any]], width: int) -> list[tuple[Any, ...]]:
+    """``rows`` as tuples, each checked to hold ``width`` values (one per column).
+
+    Raises:
+        ValueError: a row has the wrong number of values.
+    """
+    batch = [tuple(r) for r in rows]
+    for row in batch:
+        if len(row) != width:
+            raise ValueError(f"row {row!r} has {len(row)} values for {width} columns")
+    return batch
 
 
 # ------------------------------------------------------------------- Database

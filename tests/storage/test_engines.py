@@ -11,6 +11,7 @@ import sqlite3
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from typing import Any
 
 from hypothesis import given
@@ -921,6 +922,14 @@ _SQL_VALUES = st.one_of(
 )
 
 
+def _outcome(fn: Callable[..., Any], *args: Any) -> Any:
+    """What ``fn(*args)`` returns, or the type of the quoting error it raises."""
+    try:
+        return fn(*args)
+    except (ValueError, UnicodeEncodeError) as e:
+        return type(e)
+
+
 class PostgresLiteralTests(SynchronousTestCase):
     """Bulk writes quote their values as psycopg2 does: the same bytes, the same errors, and the same
     rows read back; and they let psycopg2 quote everything where the server reads literals otherwise."""
@@ -934,22 +943,12 @@ class PostgresLiteralTests(SynchronousTestCase):
         self.conn.autocommit = True
         self.cursor = self.conn.cursor()
 
-    def quoted(self, value: Any) -> bytes | type[Exception]:
-        try:
-            return self.cursor.mogrify(b"%s", (value,))
-        except (ValueError, UnicodeEncodeError) as e:
-            return type(e)
-
     @given(_SQL_VALUES)
     def test_literals_are_psycopg2s(self, value: Any) -> None:
         """Any value renders to exactly psycopg2's bytes, or fails with psycopg2's exception type."""
         self.assertTrue(plain_pg_literals(self.conn))
-        expected = self.quoted(value)
-        try:
-            got: bytes | type[Exception] = pg_literal(value, self.cursor.mogrify)
-        except (ValueError, UnicodeEncodeError) as e:
-            got = type(e)
-        self.assertEqual(got, expected)
+        self.assertEqual(_outcome(pg_literal, value, self.cursor.mogrify),
+                         _outcome(self.cursor.mogrify, b"%s", (value,)))
 
     @given(st.lists(st.tuples(st.integers(min_value=-(2**63), max_value=2**63 - 1),
                               st.one_of(st.none(), st.text().filter(lambda t: "\x00" not in t)),
@@ -970,20 +969,13 @@ class PostgresLiteralTests(SynchronousTestCase):
     def test_parameters_go_in_as_psycopg2_puts_them(self, values: list[Any]) -> None:
         """A statement's parameters make the statement psycopg2 would send, "%" in its text included."""
         sql = PG.convert_placeholders("SELECT '50%' " + "".join(", ?" for _ in values) + " WHERE 'a%' LIKE 'a%%'")
-        expected = self.quoted_statement(sql, values)
-        try:
-            PG.execute(self.cursor, sql, values)
-        except (ValueError, UnicodeEncodeError) as e:
-            self.assertEqual(type(e), expected)
+        expected = _outcome(self.cursor.mogrify, sql, values)
+        failed = _outcome(PG.execute, self.cursor, sql, values)
+        if failed is not None:
+            self.assertEqual(failed, expected)
             return
         self.assertEqual(self.cursor.query, expected)
         self.assertEqual(self.cursor.fetchall()[0][0], "50%")
-
-    def quoted_statement(self, sql: str, values: list[Any]) -> bytes | type[Exception]:
-        try:
-            return self.cursor.mogrify(sql, values)
-        except (ValueError, UnicodeEncodeError) as e:
-            return type(e)
 
     def test_another_literal_syntax_leaves_the_quoting_to_psycopg2(self) -> None:
         """With ``standard_conforming_strings`` off, a backslash escapes: every value goes through psycopg2."""
