@@ -977,6 +977,16 @@ class PostgresLiteralTests(SynchronousTestCase):
         self.assertEqual(self.cursor.query, expected)
         self.assertEqual(self.cursor.fetchall()[0][0], "50%")
 
+    def test_a_quote_in_a_value_cannot_end_the_literal(self) -> None:
+        """Text built to close its literal and run a statement of its own is stored as text, in a bulk write and
+        as a parameter, and the table survives it."""
+        attack = "x'); DROP TABLE lit; --"
+        self.cursor.execute("CREATE TABLE lit (k BIGINT PRIMARY KEY, t TEXT)")
+        PG.insert_many_txn(self.cursor, "lit", ("k", "t"), [(1, attack)])
+        PG.execute(self.cursor, PG.convert_placeholders("INSERT INTO lit (k, t) VALUES (?, ?)"), (2, attack))
+        self.cursor.execute("SELECT k, t FROM lit ORDER BY k")
+        self.assertEqual(self.cursor.fetchall(), [(1, attack), (2, attack)])
+
     def test_another_literal_syntax_leaves_the_quoting_to_psycopg2(self) -> None:
         """With ``standard_conforming_strings`` off, a backslash escapes: every value goes through psycopg2."""
         value = "a'b\\c"
