@@ -23,13 +23,18 @@ __all__: list[str] = []
 _c_make_encoder: Any = getattr(json.encoder, "c_make_encoder", None)
 
 
-def c_chunk_encoder(*, ensure_ascii: bool = True, allow_nan: bool = True) -> Any:
-    """The C encoder (``encoder(value, 0)`` returns the text's chunks), or None without the accelerator."""
+def c_chunk_encoder(*, ensure_ascii: bool = True, allow_nan: bool = True,
+                    default: Callable[[Any], Any] | None = None) -> Any:
+    """The C encoder (``encoder(value, 0)`` returns the text's chunks), or None without the accelerator.
+
+    ``default`` is called for a value JSON cannot hold, as ``json.dumps``'s
+    own (the base encoder's raises ``TypeError``).
+    """
     if _c_make_encoder is None:
         return None
     base = json.JSONEncoder(separators=(",", ":"), ensure_ascii=ensure_ascii, allow_nan=allow_nan)
     strings = json.encoder.encode_basestring_ascii if ensure_ascii else json.encoder.encode_basestring
-    return _c_make_encoder(None, base.default, strings, None, ":", ",", False, False, allow_nan)
+    return _c_make_encoder(None, default or base.default, strings, None, ":", ",", False, False, allow_nan)
 
 
 def compact_encoder(*, ensure_ascii: bool = True, allow_nan: bool = True) -> Callable[[Any], str]:
