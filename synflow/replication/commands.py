@@ -218,9 +218,9 @@ _encode_json_chunks: Any = c_chunk_encoder(allow_nan=False, default=_row_default
 #
 # orjson's text is json.dumps's (compact, non-ASCII escaped, NaN refused),
 # byte for byte, when it is ASCII (orjson writes non-ASCII as itself), holds
-# no ``-`` and no ``0.0000`` (orjson writes the exponents -5 to -9 as
-# ``0.0000…`` and ``e-6``, where json writes ``e-05`` and ``e-06``; a
-# negative number or a hyphen in a string costs only the fast path), and
+# no ``e-`` and no ``0.0000`` (orjson writes the exponents -5 to -9 as
+# ``0.0000…`` and ``e-6``, where json writes ``e-05`` and ``e-06``; the same
+# letters in a string cost only the fast path), and
 # every ``null`` in it is one of the row's own top-level ``None`` (orjson
 # writes NaN and Infinity as ``null``; a nested ``None`` costs only the fast
 # path). It raises TypeError
@@ -256,8 +256,8 @@ def _row_json(row: list[Any]) -> str:
         else:
             if data.isascii():
                 text = data.decode()  # the checks are on text: ``in`` on bytes first tries an integer
-                if "-" not in text and "0.0000" not in text and ("null" not in text
-                                                                 or text.count("null") == row.count(None)):
+                if (("-" not in text or "e-" not in text) and "0.0000" not in text
+                        and ("null" not in text or text.count("null") == row.count(None))):
                     return text
     if _encode_json_chunks is not None:
         return "".join(_encode_json_chunks(row, 0))
