@@ -220,14 +220,13 @@ _encode_json_chunks: Any = c_chunk_encoder(allow_nan=False, default=_row_default
 # byte for byte, when it is ASCII (orjson writes non-ASCII as itself), holds
 # no ``e-`` and no ``0.0000`` (orjson writes the exponents -5 to -9 as
 # ``0.0000…`` and ``e-6``, where json writes ``e-05`` and ``e-06``; the same
-# letters in a string cost only the fast path), and
-# every ``null`` in it is one of the row's own top-level ``None`` (orjson
-# writes NaN and Infinity as ``null``; a nested ``None`` costs only the fast
-# path). It raises TypeError
-# where json would do something else: subclasses of the built-in types,
-# dataclasses, dates, integers past 64 bits, lone surrogates, deep nesting.
-# Enum members and UUIDs, which orjson writes as their value and text, are
-# written so by json too (:func:`_row_default`).
+# letters in a string cost only the fast path), and every ``null`` in it is
+# one of the row's own top-level ``None`` (orjson writes NaN and Infinity as
+# ``null``; a nested ``None`` costs only the fast path). orjson raises
+# TypeError where json would do something else: subclasses of the built-in
+# types, dataclasses, dates, integers past 64 bits, lone surrogates, deep
+# nesting. Enum members and UUIDs, which orjson writes as their value and
+# text, are written so by json too (:func:`_row_default`).
 _orjson_dumps: Any = _orjson.dumps if _orjson is not None else None
 _ORJSON_OPTIONS: Final = (
     _orjson.OPT_PASSTHROUGH_SUBCLASS | _orjson.OPT_PASSTHROUGH_DATACLASS | _orjson.OPT_PASSTHROUGH_DATETIME
