@@ -240,12 +240,14 @@ _ORJSON_OPTIONS: Final = (
 _fast_decode: Any = _msgspec_json.Decoder().decode if _msgspec_json is not None else None
 
 
-def _row_json(row: list[Any]) -> str:
+def _row_json(row: Any) -> str:
     """A row's compact JSON text (ASCII), as the standard encoder writes it; through orjson where that is the same.
 
     Raises:
-        TypeError, ValueError, RecursionError: as the standard encoder (the caller words them).
+        TypeError, ValueError, RecursionError: as the standard encoder (the callers word them).
     """
+    if type(row) is not list:  # a subclass: the standard encoder's own
+        return _json_encoder.encode(row)
     dumps = _orjson_dumps
     if dumps is not None:
         try:
@@ -270,9 +272,7 @@ def encode_json(value: Any) -> str:
         LocalProtocolError: if the value is not JSON-serialisable.
     """
     try:
-        if type(value) is list:
-            return _row_json(value)
-        return _json_encoder.encode(value)
+        return _row_json(value)
     except (TypeError, ValueError, RecursionError) as e:
         raise LocalProtocolError(f"row is not encodable as JSON: {e}") from None
 
@@ -287,7 +287,12 @@ def decode_json(text: str) -> Any:
         try:
             return _fast_decode(text)
         except (ValueError, RecursionError):  # msgspec.DecodeError is a ValueError
-            pass  # settled below
+            pass  # settled by the standard decoder
+    return _standard_decode(text)
+
+
+def _standard_decode(text: str) -> Any:
+    """:func:`decode_json` through the standard library alone: what settles anything msgspec refuses."""
     if _scan_json is not None:
         try:
             value, end = _scan_json(text, 0)
@@ -304,23 +309,14 @@ def decode_json(text: str) -> Any:
 
 def _decode_row(row_json: str) -> list[Any]:
     """An RDATA row from its JSON text: a JSON array, or RemoteProtocolError."""
-    if _fast_decode is not None:  # decode_json's fast paths, inlined: once per row read
+    row: Any
+    if _fast_decode is not None:  # decode_json, inlined: once per row read
         try:
             row = _fast_decode(row_json)
         except (ValueError, RecursionError):
-            pass  # settled by decode_json, with the decoder's own message
-        else:
-            if type(row) is list:
-                return row
-    elif _scan_json is not None:
-        try:
-            row, end = _scan_json(row_json, 0)
-        except (StopIteration, ValueError, RecursionError):
-            pass  # settled by decode_json, with the decoder's own message
-        else:
-            if end == len(row_json) and type(row) is list:
-                return row
-    row = decode_json(row_json)
+            row = _standard_decode(row_json)
+    else:
+        row = _standard_decode(row_json)
     if type(row) is not list:
         raise RemoteProtocolError(f"RDATA row must be a JSON array, got {row_json[:80]!r}")
     return row
@@ -1090,7 +1086,7 @@ def encode_line_bytes(cmd: AnyCommand) -> bytes:
             token = c.token
             try:
                 data = (f"RDATA {c.stream_name} {c.instance_name} {BATCH_TOKEN if token is None else token} "
-                        f"{_row_json(row) if type(row) is list else _json_encoder.encode(row)}").encode()
+                        f"{_row_json(row)}").encode()
             except UnicodeEncodeError as e:  # before ValueError, its base: a lone surrogate in a word
                 raise LocalProtocolError(f"RDATA line is not encodable as UTF-8: {e.reason}") from None
             except (TypeError, ValueError, RecursionError) as e:

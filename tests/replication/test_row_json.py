@@ -75,6 +75,16 @@ _values = st.recursive(
 _rows = st.lists(_values, max_size=8)
 
 
+def _outcome_without(module: Any, name: str, fn: Any, *args: Any) -> Any:
+    """:func:`_outcome` of ``fn(*args)`` with ``module.name`` (a fast library's entry) set to None meanwhile."""
+    fast = getattr(module, name)
+    setattr(module, name, None)
+    try:
+        return _outcome(fn, *args)
+    finally:
+        setattr(module, name, fast)
+
+
 def _outcome(fn: Any, *args: Any) -> Any:
     try:
         return ("ok", fn(*args))
@@ -94,12 +104,7 @@ def _typed(value: Any) -> Any:
 class RowEncodingTests(SynchronousTestCase):
     def _standard(self, fn: Any, *args: Any) -> Any:
         """``fn(*args)`` with orjson out of the way: the standard library's encoder alone."""
-        fast = commands._orjson_dumps
-        self.patch(commands, "_orjson_dumps", None)
-        try:
-            return _outcome(fn, *args)
-        finally:
-            self.patch(commands, "_orjson_dumps", fast)
+        return _outcome_without(commands, "_orjson_dumps", fn, *args)
 
     @settings(max_examples=600, deadline=None)
     @given(_rows)
@@ -179,12 +184,8 @@ def _json_texts() -> st.SearchStrategy[str]:
 
 class RowDecodingTests(SynchronousTestCase):
     def _standard(self, fn: Any, text: str) -> Any:
-        fast = commands._fast_decode
-        self.patch(commands, "_fast_decode", None)
-        try:
-            return _outcome(fn, text)
-        finally:
-            self.patch(commands, "_fast_decode", fast)
+        """``fn(text)`` with msgspec out of the way: the standard library's decoder alone."""
+        return _outcome_without(commands, "_fast_decode", fn, text)
 
     @settings(max_examples=800, deadline=None)
     @given(_json_texts())
