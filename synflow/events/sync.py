@@ -16,7 +16,10 @@ writes here too. With nothing new it then long-polls, up to its timeout,
 until an event in one of the user's rooms (or a membership change of the
 user) arrives. A long-poll is answered at the end of the reactor turn in
 which that event's position arrived: every position of the same turn is in
-the answer, not in the next sync.
+the answer, not in the next sync. An event whose position arrives while a
+sync is still reading (its rooms, or the window) is not missed: the sync
+reads again instead of waiting. Syncs that read the same shared window at
+once make one read of it between them.
 
 Every response is recorded in the audit log: reader, since, next_batch,
 delivered event IDs and the rooms the response covered.
@@ -55,6 +58,9 @@ SHARED_WINDOWS = 8
 SHARED_WINDOW_MAX_EVENTS = 256
 #: The recent positions of this process (tokens it gave out as ``next_batch``) whose windows are shared.
 RECENT_HEADS = 8
+#: The rows of recent positions kept to tell a sync whether news for it arrived while it was reading
+#: (when more arrive during one read, the sync looks again rather than wait).
+RECENT_NEWS = 4096
 
 
 @attrs.frozen
@@ -109,6 +115,11 @@ class SyncHandler:
         self._heads: deque[StreamToken] = deque(maxlen=RECENT_HEADS)
         #: Every room's events in recent windows between two of those positions, by (since, now).
         self._windows: OrderedDict[tuple[StreamToken, StreamToken], list[SyncEvent]] = OrderedDict()
+        #: Shared windows being read, by (since, now): the other syncs that want one wait for that read.
+        self._reading: dict[tuple[StreamToken, StreamToken], list[Deferred[list[SyncEvent] | None]]] = {}
+        #: Rows applied so far, and the recent ones as (number, room, user whose membership changed or None).
+        self._rows_applied = 0
+        self._news: deque[tuple[int, str, str | None]] = deque(maxlen=RECENT_NEWS)
 
     # -- notification ----------------------------------------------------------------
 
@@ -118,6 +129,11 @@ class SyncHandler:
     def _on_position(self, instance: str, token: int) -> None:
         rows, self._pending_rows = self._pending_rows, []
         if rows:
+            n, news = self._rows_applied, self._news
+            for row in rows:
+                n += 1
+                news.append((n, row.room_id, row.state_key if row.is_membership else None))
+            self._rows_applied = n
             # Only the syncs waiting on these rooms or users: the others are not looked at.
             woken: set[_Waiter] = set()
             by_room, by_user = self._waiting_on_room, self._waiting_user
@@ -189,10 +205,13 @@ class SyncHandler:
         # nothing back for a write it already made elsewhere.
         await self._wait_until_reached(since, max(deadline, started + self.catch_up_timeout_s))
         while True:
+            applied = self._rows_applied
             result = await self._sync_once(user_id, since, limit)
             remaining = deadline - self.clock.seconds()
             if result.events or remaining <= 0:
                 break
+            if self._news_since(applied, user_id, result.rooms):
+                continue  # its news arrived while it read: it would wait for a wake-up already gone by
             await self._wait_for_news(user_id, result.rooms, remaining)
         if self.audit is not None:
             self.audit.token(
@@ -200,6 +219,19 @@ class SyncHandler:
                 delivered=[e.event_id for e in result.events], rooms=result.rooms,
             )
         return result
+
+    def _news_since(self, applied: int, user_id: str, rooms: frozenset[str]) -> bool:
+        """Whether a row of ``rooms``, or of ``user_id``'s membership, came after the first ``applied`` rows."""
+        if applied == self._rows_applied:
+            return False
+        news = self._news
+        for n, room, member in reversed(news):
+            if n <= applied:
+                return False
+            if room in rooms or member == user_id:
+                return True
+        # Every row kept is since: if some rows since are no longer kept, look again rather than risk one.
+        return not news or news[0][0] > applied + 1
 
     async def _sync_once(self, user_id: str, since: StreamToken, limit: int) -> SyncResult:
         # "now" first: every membership change at or before it has committed
@@ -241,6 +273,32 @@ class SyncHandler:
         key = (since, now)
         window = self._windows.get(key)
         if window is None and since in self._heads:
+            window = await self._read_shared(key, now_by_name)
+        if window is not None:
+            events = [e for e in window if e.room_id in rooms]
+            return events[:limit]
+        return await self.store.get_events_in_window(
+            sorted(rooms), self._by_name(since), since.minimum, now_by_name, now.minimum, limit
+        )
+
+    async def _read_shared(self, key: tuple[StreamToken, StreamToken],
+                           now_by_name: dict[str, int]) -> list[SyncEvent] | None:
+        """Every room's events in the window ``key``, kept; None if it is over the size bound (or the read failed).
+
+        One read serves every sync that asks while it runs: the syncs one
+        position wakes ask together, before the first read is back (at once on
+        a database read through the thread pool). A read that fails fails its
+        own sync; the others read for their own rooms.
+        """
+        waiting = self._reading.get(key)
+        if waiting is not None:
+            d: Deferred[list[SyncEvent] | None] = Deferred()
+            waiting.append(d)
+            return await d
+        waiting = self._reading[key] = []
+        since, now = key
+        window: list[SyncEvent] | None = None
+        try:
             every_room = await self.store.get_events_in_window(
                 None, self._by_name(since), since.minimum, now_by_name, now.minimum, SHARED_WINDOW_MAX_EVENTS + 1
             )
@@ -248,12 +306,12 @@ class SyncHandler:
                 window = self._windows[key] = every_room
                 while len(self._windows) > SHARED_WINDOWS:
                     self._windows.popitem(last=False)
-        if window is not None:
-            events = [e for e in window if e.room_id in rooms]
-            return events[:limit]
-        return await self.store.get_events_in_window(
-            sorted(rooms), self._by_name(since), since.minimum, now_by_name, now.minimum, limit
-        )
+        finally:
+            del self._reading[key]
+            for d in waiting:
+                if not d.called:  # not cancelled (its client went away) meanwhile
+                    d.callback(window)
+        return window
 
     async def _wait_until_reached(self, token: StreamToken, deadline: float) -> None:
         while True:

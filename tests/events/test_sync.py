@@ -118,6 +118,74 @@ class OneTurnTest(TestCase):
         result = yield polled
         self.assertEqual([e.event_id for e in result.events], [first["event_id"], second["event_id"]])
 
+    @inlineCallbacks
+    def test_news_that_arrives_while_the_sync_reads_is_not_missed(self):
+        """An event whose position arrives while a long-poll is still reading answers it, with no wait for a wake-up."""
+        master, alice = yield single_master_with_user(self)
+        room = yield ensureDeferred(alice.create_room())
+        first = yield ensureDeferred(alice.send(room, {"body": "1"}, "t1"))
+        second = yield ensureDeferred(alice.send(room, {"body": "2"}, "t2"))
+        store = master.worker.store
+        everything = yield store.get_events_in_window(None, {}, 0, {}, 2**62, 1000)
+        ordering = {e.event_id: e.stream_ordering for e in everything}
+        at = ordering[first["event_id"]]
+        clock = Clock()
+        view, conn = positions_view("reader", clock, known={"master": at})
+        view.on_command(conn, PositionCommand("events", "master", at, at))
+        sync = SyncHandler(store, view, master.instances, clock)
+        ids = yield master.instances.ids_for(["master"])
+        since = str(StreamToken.from_positions({ids["master"]: at}))  # the head: nothing new yet
+        gate: Deferred[None] = Deferred()
+        rooms_of = store.get_rooms_for_user
+        gated: list[str] = []
+
+        async def slow_rooms(user_id: str) -> Any:
+            if not gated:  # the first read of the user's rooms is still out when the news arrives
+                gated.append(user_id)
+                await gate
+            return await rooms_of(user_id)
+
+        self.patch(store, "get_rooms_for_user", lambda user_id: ensureDeferred(slow_rooms(user_id)))
+        polled = ensureDeferred(sync.sync(alice.user_id, alice.user_id, since, 10_000, 10))
+        self.assertEqual(gated, [alice.user_id])
+        row = EventsRow(second["event_id"], room, "m.room.message", None, alice.user_id, None)
+        view.on_command(conn, RdataCommand("events", "master", ordering[second["event_id"]], row.to_wire()))
+        clock.advance(0)  # the wake-up of this position has gone by: nobody was waiting yet
+        gate.callback(None)
+        for _ in range(50):  # its reads of the store run on the real reactor; the fake clock never moves
+            if polled.called:
+                break
+            yield _real(0.02)
+        result = yield polled
+        self.assertEqual([e.event_id for e in result.events], [second["event_id"]])
+        self.assertEqual(sync.waiting, 0)
+
+    def test_news_since_a_read(self) -> None:
+        """Rows counted since a read began: only the sync's rooms or its user's membership count, and lost ones do."""
+        from synflow.events import sync as sync_module
+
+        handler = _Handler()
+        sync = SyncHandler(None, handler, None, Clock())  # type: ignore[arg-type]
+        rooms = frozenset({"!a:t"})
+        self.assertFalse(sync._news_since(0, "@u:t", rooms))
+        handler.rows("master", 1, [_row("!z:t", 1)])
+        handler.position("master", 1)
+        self.assertFalse(sync._news_since(0, "@u:t", rooms))  # another room
+        handler.rows("master", 2, [_row("!new:t", 2, member="@u:t")])
+        handler.position("master", 2)
+        self.assertTrue(sync._news_since(0, "@u:t", rooms))  # the user joined a room
+        self.assertFalse(sync._news_since(2, "@u:t", rooms))
+        handler.rows("master", 3, [_row("!a:t", 3)])
+        handler.position("master", 3)
+        self.assertTrue(sync._news_since(2, "@u:t", rooms))
+        self.patch(sync_module, "RECENT_NEWS", 2)
+        sync = SyncHandler(None, handler, None, Clock())  # type: ignore[arg-type]
+        for n in range(1, 5):
+            handler.rows("master", n, [_row("!z:t", n)])
+            handler.position("master", n)
+        self.assertFalse(sync._news_since(2, "@u:t", rooms))  # rows 3 and 4 kept: neither is news
+        self.assertTrue(sync._news_since(1, "@u:t", rooms))  # row 2 is gone: it may have been
+
 
 class _Handler:
     """The two hooks SyncHandler takes from a replication handler."""
@@ -266,6 +334,39 @@ class SharedWindowTest(TestCase):
         mine = yield ensureDeferred(self.carol.send(self.carols, {"body": "mine"}, "t2"))
         carol = yield polls[2]
         self.assertEqual([e["event_id"] for e in carol["events"]], [mine["event_id"]])
+
+    @inlineCallbacks
+    def test_syncs_woken_during_a_read_wait_for_it(self):
+        """Long-polls woken together whose shared window read is still out (a read through the pool) make one read."""
+        tokens = yield self.heads()
+        gates: list[Deferred[None]] = []
+        recording = self.store.get_events_in_window
+
+        async def slow(rooms: Any, *a: Any) -> Any:
+            if rooms is None:  # the shared window: back only when the test says so
+                gate: Deferred[None] = Deferred()
+                gates.append(gate)
+                await gate
+            return await recording(rooms, *a)
+
+        self.patch(self.store, "get_events_in_window", lambda rooms, *a: ensureDeferred(slow(rooms, *a)))
+        polls = [ensureDeferred(user.sync(token, timeout_ms=10_000))
+                 for user, token in zip((self.alice, self.bob), tokens[:2], strict=True)]
+        yield _real(0.2)
+        del self.reads[:]
+        sent = yield ensureDeferred(self.alice.send(self.shared, {"body": "hi"}, "t1"))
+        for _ in range(50):
+            if gates:
+                break
+            yield _real(0.02)
+        yield _real(0.1)  # both long-polls are woken and reading by now
+        self.assertEqual(len(gates), 1)
+        gates[0].callback(None)
+        alice = yield polls[0]
+        bob = yield polls[1]
+        self.assertEqual([e["event_id"] for e in alice["events"]], [sent["event_id"]])
+        self.assertEqual([e["event_id"] for e in bob["events"]], [sent["event_id"]])
+        self.assertEqual(self.reads, [None])  # one read, of every room, for both
 
     @inlineCallbacks
     def test_other_windows_are_read_per_sync(self):
