@@ -318,9 +318,6 @@ class Engine(abc.ABC):
     def begin_txn(self, cursor: Any, read_only: bool = False) -> None:  # noqa: B027 - optional hook
         """Start a transaction on a connection that is idle."""
 
-    def set_autocommit(self, conn: Any, on: bool) -> None:  # noqa: B027 - optional hook
-        """Switch a connection in or out of autocommit mode."""
-
     def rollback_open(self, conn: Any, cursor: Any) -> None:  # noqa: B027 - optional hook
         """Roll back a transaction a Txn opened itself on ``conn`` (autocommit mode), if one is open."""
 
@@ -527,8 +524,12 @@ class PostgresEngine(Engine):
             kwargs["password"] = config.password
         return (), kwargs
 
-    def set_autocommit(self, conn: Any, on: bool) -> None:
-        conn.set_session(autocommit=on)
+    def on_connect(self, conn: Any, config: DatabaseConfig | None = None) -> None:
+        # Every interaction runs in autocommit mode: a Txn opens its transaction
+        # itself (Database._explicit_txn), a single read runs outside one, and
+        # run_autocommit's statements commit one by one. The connection stays
+        # so; switching it per interaction cost two calls into the driver each.
+        conn.autocommit = True
 
     def rollback_open(self, conn: Any, cursor: Any) -> None:
         """Roll back the transaction open on ``conn`` (in autocommit mode), if one is; never raises."""
@@ -1015,7 +1016,7 @@ class Database:
 
         psycopg2 sends ``BEGIN`` before a transaction's first statement and
         ``COMMIT`` after its last, a round trip each. Here the connection is
-        in autocommit mode for the interaction and the Txn opens the
+        in autocommit mode (set so on connect) and the Txn opens the
         transaction itself: ``BEGIN;`` goes out in front of its first
         statement, and its deferred writes (:meth:`Txn.flush_writes`) and
         ``COMMIT`` together at the end (a message's persist transaction: 3
@@ -1044,14 +1045,13 @@ class Database:
 
     @contextlib.contextmanager
     def _autocommit_cursor(self, conn: Any) -> Iterator[Any]:
-        """A cursor on ``conn`` switched to autocommit mode; afterwards back to transactions, the cursor closed."""
+        """A cursor on ``conn`` (in autocommit mode: SQLite's are opened so, PostgreSQL's set so on connect),
+        closed afterwards."""
         cursor = conn.cursor()
-        self.engine.set_autocommit(conn, True)
         try:
             yield cursor
         finally:
             try:
-                self.engine.set_autocommit(conn, False)
                 cursor.close()
             except Exception:  # the connection is gone; adbapi's rollback replaces it
                 pass

@@ -689,6 +689,25 @@ class PostgresDatabaseTests(DatabaseTestsMixin, TestCase):
         # and the pool's connection is transactional again afterwards
         self.assertEqual(await db.run_interaction("block", status_txn), ext.TRANSACTION_STATUS_INTRANS)
 
+    async def test_connections_stay_in_autocommit_mode(self) -> None:
+        """A pool connection is in autocommit mode from its opening, and every kind of interaction leaves it so
+        (each Txn opens its own transaction: no switch of the driver's session per interaction)."""
+        db = await self.make_db()
+
+        def autocommit_txn(txn: Txn) -> bool:
+            return bool(txn._cursor.connection.autocommit)
+
+        def failing_txn(txn: Txn) -> None:
+            insert_item_txn(txn, 1, "discarded")
+            raise Boom()
+
+        for kind in ({}, {"read_only": True}, {"one_statement": True}):
+            self.assertTrue(await db.run_interaction("mode", autocommit_txn, **kind))
+        await self.assertFailure(db.run_interaction("fails", failing_txn), Boom)
+        self.assertTrue(await db.run_autocommit("mode", autocommit_txn))
+        self.assertEqual(await db._pool.runWithConnection(lambda conn: conn.autocommit), True)
+        self.assertEqual(await db.run_interaction("read", select_items_txn), [])
+
     async def test_bulk_writes_go_out_in_one_round_trip(self) -> None:
         """On PostgreSQL the ``insert_many`` and ``upsert_many`` of a transaction reach the server as one
         statement text, sent before the next statement or the commit, not one round trip each."""
