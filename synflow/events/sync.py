@@ -18,8 +18,14 @@ user) arrives. A long-poll is answered at the end of the reactor turn in
 which that event's position arrived: every position of the same turn is in
 the answer, not in the next sync. An event whose position arrives while a
 sync is still reading (its rooms, or the window) is not missed: the sync
-reads again instead of waiting. Syncs that read the same shared window at
-once make one read of it between them.
+reads again instead of waiting.
+
+A process keeps the recent events of every room in memory, read from the
+database once per new position (by whichever sync first needs it; the others
+that need it meanwhile wait for that read). A sync from a token within that
+stretch -- a long-poll chain's, from this process or from another one that
+is not far ahead or behind -- takes its rooms' events from it; an older
+token reads the database for the sync's rooms.
 
 Every response is recorded in the audit log: reader, since, next_batch,
 delivered event IDs and the rooms the response covered.
@@ -30,8 +36,10 @@ Internal to synflow: not part of the public API (``synflow.api``).
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict, deque
+from bisect import bisect_right
+from collections import deque
 from collections.abc import Callable
+from typing import cast
 
 import attrs
 from twisted.internet.defer import Deferred
@@ -52,12 +60,9 @@ logger = logging.getLogger(__name__)
 #: ``since`` token from a faster process (the same bound as internal RPC's
 #: ``replication.wait_for_position_timeout_s`` default).
 CATCH_UP_TIMEOUT_S = 5.0
-#: How many windows ``(since, now]`` read for every room at once are kept (the oldest goes first).
-SHARED_WINDOWS = 8
-#: The most events such a window may hold; a larger one is read per sync, for the sync's rooms only.
-SHARED_WINDOW_MAX_EVENTS = 256
-#: The recent positions of this process (tokens it gave out as ``next_batch``) whose windows are shared.
-RECENT_HEADS = 8
+#: The most recent events (of every room) a process keeps for the syncs from recent tokens. A new
+#: stretch larger than this is not kept: those syncs read from the database, for their rooms only.
+RECENT_EVENTS = 1024
 #: The rows of recent positions kept to tell a sync whether news for it arrived while it was reading
 #: (when more arrive during one read, the sync looks again rather than wait).
 RECENT_NEWS = 4096
@@ -111,12 +116,13 @@ class SyncHandler:
         handler.add_position_listener("events", self._on_position)
         self._position_waiters: list[Deferred[None]] = []
         self._current: tuple[StreamToken, dict[str, int]] | None = None
-        #: This process's recent positions: long-poll chains come back with them as ``since``.
-        self._heads: deque[StreamToken] = deque(maxlen=RECENT_HEADS)
-        #: Every room's events in recent windows between two of those positions, by (since, now).
-        self._windows: OrderedDict[tuple[StreamToken, StreamToken], list[SyncEvent]] = OrderedDict()
-        #: Shared windows being read, by (since, now): the other syncs that want one wait for that read.
-        self._reading: dict[tuple[StreamToken, StreamToken], list[Deferred[list[SyncEvent] | None]]] = {}
+        #: Every room's events in ``(_recent_from, _recent_to]``, by stream ordering (see _recent_window).
+        self._recent: list[SyncEvent] = []
+        self._recent_orderings: list[int] = []
+        self._recent_from: StreamToken | None = None
+        self._recent_to: StreamToken | None = None
+        #: The syncs waiting for the read that extends the recent events (None: no such read is out).
+        self._extending: list[Deferred[None]] | None = None
         #: Rows applied so far, and the recent ones as (number, room, user whose membership changed or None).
         self._rows_applied = 0
         self._news: deque[tuple[int, str, str | None]] = deque(maxlen=RECENT_NEWS)
@@ -174,7 +180,6 @@ class SyncHandler:
         ids = await self.instances.ids_for(sorted(positions))
         current = StreamToken.from_positions({ids[n]: p for n, p in positions.items()}), positions
         self._current = current
-        self._heads.append(current[0])
         return current
 
     async def parse_token(self, text: str) -> StreamToken:
@@ -262,56 +267,90 @@ class SyncHandler:
                            now_by_name: dict[str, int], limit: int) -> list[SyncEvent]:
         """The events of ``rooms`` in ``(since, now]``, oldest first, at most ``limit``.
 
-        The syncs a new position wakes mostly share one window: each comes
-        back from the position before (a ``next_batch`` of this process). Such
-        a window, when small, is read once for every room and kept; each sync
-        takes its rooms' events from it. Any other window is read for the
-        sync's rooms alone.
+        From the recent events in memory when they cover the window (see
+        :meth:`_recent_window`), else read for ``rooms`` alone.
         """
         if not rooms:
             return []
-        key = (since, now)
-        window = self._windows.get(key)
-        if window is None and since in self._heads:
-            window = await self._read_shared(key, now_by_name)
-        if window is not None:
-            events = [e for e in window if e.room_id in rooms]
-            return events[:limit]
+        if await self._recent_window(since, now, now_by_name):
+            # The window within the kept events: each writer's events after its position in since, up to now.
+            after, after_default = self._by_name(since), since.minimum
+            upto_default = now.minimum
+            recent = self._recent
+            first = bisect_right(self._recent_orderings, after_default)  # no writer's window starts lower
+            events = []
+            for event in recent[first:] if first else recent:
+                ordering = event.stream_ordering
+                writer = event.instance_name
+                if (event.room_id in rooms and ordering > after.get(writer, after_default)
+                        and ordering <= now_by_name.get(writer, upto_default)):
+                    events.append(event)
+                    if len(events) >= limit:
+                        break
+            return events
         return await self.store.get_events_in_window(
             sorted(rooms), self._by_name(since), since.minimum, now_by_name, now.minimum, limit
         )
 
-    async def _read_shared(self, key: tuple[StreamToken, StreamToken],
-                           now_by_name: dict[str, int]) -> list[SyncEvent] | None:
-        """Every room's events in the window ``key``, kept; None if it is over the size bound (or the read failed).
+    async def _recent_window(self, since: StreamToken, now: StreamToken, now_by_name: dict[str, int]) -> bool:
+        """Whether the recent events in memory hold every event in ``(since, now]``, extended to ``now`` if need be.
 
-        One read serves every sync that asks while it runs: the syncs one
-        position wakes ask together, before the first read is back (at once on
-        a database read through the thread pool). A read that fails fails its
-        own sync; the others read for their own rooms.
+        They hold ``(_recent_from, _recent_to]``. Positions only move
+        forward, so each ``now`` a sync sees is at or after the last one kept,
+        or before it: the stretch up to a later ``now`` is read once, for
+        every room, by the first sync that needs it, and the syncs that need
+        it meanwhile wait for that read. Past :data:`RECENT_EVENTS` the oldest
+        events are dropped (and ``_recent_from`` moves up to the last of
+        them); a stretch larger than that, or positions that went back, start
+        the kept events afresh, empty, at ``now``.
         """
-        waiting = self._reading.get(key)
-        if waiting is not None:
-            d: Deferred[list[SyncEvent] | None] = Deferred()
-            waiting.append(d)
-            return await d
-        waiting = self._reading[key] = []
-        since, now = key
-        window: list[SyncEvent] | None = None
-        try:
-            every_room = await self.store.get_events_in_window(
-                None, self._by_name(since), since.minimum, now_by_name, now.minimum, SHARED_WINDOW_MAX_EVENTS + 1
-            )
-            if len(every_room) <= SHARED_WINDOW_MAX_EVENTS:  # the whole window: keep it
-                window = self._windows[key] = every_room
-                while len(self._windows) > SHARED_WINDOWS:
-                    self._windows.popitem(last=False)
-        finally:
-            del self._reading[key]
-            for d in waiting:
-                if not d.called:  # not cancelled (its client went away) meanwhile
-                    d.callback(window)
-        return window
+        while True:
+            kept_to = self._recent_to
+            if kept_to is None or not (kept_to.is_before_or_eq(now) or now.is_before_or_eq(kept_to)):
+                self._keep_from(now)  # the first sync, or a writer's position went back: afresh from here
+                return False
+            if not cast(StreamToken, self._recent_from).is_before_or_eq(since):
+                return False  # older than what is kept
+            if now.is_before_or_eq(kept_to):
+                return True
+            if self._extending is not None:
+                waiting: Deferred[None] = Deferred()
+                self._extending.append(waiting)
+                await waiting
+                continue  # look again: that read may have reached now, or not (a later one is needed)
+            followers: list[Deferred[None]] = []
+            self._extending = followers
+            try:  # a failed read fails this sync and adds nothing: the next sync that needs it reads again
+                read = await self.store.get_events_in_window(
+                    None, self._by_name(kept_to), kept_to.minimum, now_by_name, now.minimum, RECENT_EVENTS + 1
+                )
+                if self._recent_to is kept_to:  # not started afresh meanwhile
+                    self._keep_more(read, now)
+            finally:
+                self._extending = None
+                for waiting in followers:  # they look again, at what is kept now
+                    if not waiting.called:  # not cancelled (its client went away) meanwhile
+                        waiting.callback(None)
+
+    def _keep_more(self, read: list[SyncEvent], upto: StreamToken) -> None:
+        """Add every room's events read up to ``upto`` to the recent events (or start afresh there if too many)."""
+        if len(read) > RECENT_EVENTS:
+            self._keep_from(upto)
+            return
+        self._recent.extend(read)
+        self._recent_orderings.extend(e.stream_ordering for e in read)
+        self._recent_to = upto
+        if len(self._recent) > RECENT_EVENTS:
+            # Drop the oldest quarter: every writer's kept events now start after the last one dropped.
+            drop = len(self._recent) - RECENT_EVENTS * 3 // 4
+            last = self._recent_orderings[drop - 1]
+            del self._recent[:drop], self._recent_orderings[:drop]
+            self._recent_from = upto.clamp(last).merge(cast(StreamToken, self._recent_from))
+
+    def _keep_from(self, token: StreamToken) -> None:
+        """Start the recent events afresh: none kept, from ``token`` on."""
+        self._recent, self._recent_orderings = [], []
+        self._recent_from = self._recent_to = token
 
     async def _wait_until_reached(self, token: StreamToken, deadline: float) -> None:
         while True:

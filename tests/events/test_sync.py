@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 from typing import Any
+from unittest import mock
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from twisted.internet import reactor
-from twisted.internet.defer import Deferred, ensureDeferred, inlineCallbacks
+from twisted.internet.defer import Deferred, ensureDeferred, inlineCallbacks, succeed
 from twisted.internet.task import Clock, deferLater
 from twisted.trial.unittest import TestCase
 
 from synflow.events.sync import CATCH_UP_TIMEOUT_S, SyncHandler
 from synflow.replication.commands import PositionCommand, RdataCommand
+from synflow.storage.stores import SyncEvent
 from synflow.streams import EventsRow
 from synflow.tokens import StreamToken
 from tests.cluster import single_master_with_user
@@ -379,23 +383,159 @@ class SharedWindowTest(TestCase):
         self.assertEqual(self.reads[0], sorted([self.shared]))
 
     @inlineCallbacks
-    def test_large_window_read_per_sync_and_limited(self):
-        """A shared window over the size bound is read per sync, and a limit cuts the shared one too."""
+    def test_large_stretch_read_per_sync(self):
+        """New events past the bound of those kept are read per sync, for its rooms only, and a limit still cuts them."""
         from synflow.events import sync as sync_module
 
         tokens = yield self.heads()
         for n in range(4):
             yield ensureDeferred(self.alice.send(self.shared, {"body": str(n)}, f"n{n}"))
-        self.patch(sync_module, "SHARED_WINDOW_MAX_EVENTS", 2)
+        self.patch(sync_module, "RECENT_EVENTS", 2)
         del self.reads[:]
         limited = yield ensureDeferred(self.bob.sync(tokens[1], limit=3))
         self.assertEqual([e["content"]["body"] for e in limited["events"]], ["0", "1", "2"])
         self.assertTrue(limited["limited"])
         self.assertEqual(self.reads, [None, [self.shared]])  # tried whole, too large: per sync
-        self.patch(sync_module, "SHARED_WINDOW_MAX_EVENTS", 256)
+
+    @inlineCallbacks
+    def test_limit_cuts_the_recent_events(self):
+        """A limited sync and the next of its chain take their events from memory: one read between them."""
+        tokens = yield self.heads()
+        for n in range(4):
+            yield ensureDeferred(self.alice.send(self.shared, {"body": str(n)}, f"n{n}"))
         del self.reads[:]
         whole = yield ensureDeferred(self.alice.sync(tokens[0], limit=3))
         rest = yield ensureDeferred(self.alice.sync(whole["next_batch"], limit=3))
         self.assertEqual([e["content"]["body"] for e in whole["events"] + rest["events"]], ["0", "1", "2", "3"])
         self.assertTrue(whole["limited"])
-        self.assertEqual(self.reads[0], None)
+        self.assertFalse(rest["limited"])
+        self.assertEqual(self.reads, [None])
+
+
+class _Instances:
+    """The instance map of three writers (SyncHandler reads ``by_id``)."""
+
+    by_id = {1: "w1", 2: "w2", 3: "w3"}
+
+
+class _WindowStore:
+    """Events of three writers in memory, read as the store's window query reads them (and each read recorded)."""
+
+    def __init__(self) -> None:
+        self.events: list[SyncEvent] = []
+        self.reads: list[list[str] | None] = []
+
+    def window(self, rooms: Any, since: dict[str, int], since_default: int, upto: dict[str, int],
+               upto_default: int, limit: int) -> list[SyncEvent]:
+        return [e for e in self.events
+                if (rooms is None or e.room_id in rooms)
+                and since.get(e.instance_name, since_default) < e.stream_ordering
+                <= upto.get(e.instance_name, upto_default)][:limit]
+
+    def get_events_in_window(self, rooms: Any, *args: Any) -> Deferred[list[SyncEvent]]:
+        self.reads.append(rooms)
+        return succeed(self.window(rooms, *args))
+
+
+_ROOMS = ("!a:t", "!b:t", "!c:t")
+_WRITERS = {"w1": 1, "w2": 2, "w3": 3}
+
+
+class RecentEventsTest(TestCase):
+    """The window a sync gets from the recent events in memory is the one the database would give."""
+
+    @settings(max_examples=300, deadline=None)
+    @given(steps=st.lists(st.tuples(st.sampled_from(sorted(_WRITERS)), st.integers(0, 4),
+                                    st.lists(st.sampled_from(_ROOMS), min_size=4, max_size=4),
+                                    st.integers(0, 2**30), st.integers(1, 6)), min_size=1, max_size=40),
+           bound=st.sampled_from([3, 8, 1024]))
+    def test_windows_match_the_database(self, steps: list[Any], bound: int) -> None:
+        """Writers write (or only move on), out of step with each other; syncs from tokens of any earlier moment,
+        or mixes of them, read windows of some rooms: each gets the database's answer, with the recent events
+        kept within their bound (trimmed, or started afresh past it)."""
+        from synflow.events import sync as sync_module
+
+        with mock.patch.object(sync_module, "RECENT_EVENTS", bound):
+            store = _WindowStore()
+            sync = SyncHandler(store, _Handler(), _Instances(), Clock())  # type: ignore[arg-type]
+            positions = dict.fromkeys(_WRITERS, 0)
+            history = [dict(positions)]
+            ordering = 0
+            for writer, count, rooms, pick, limit in steps:
+                for n in range(count):
+                    ordering += 1
+                    store.events.append(SyncEvent(ordering, writer, f"$e{ordering}:t", rooms[n], "m.room.message",
+                                                  None, "@s:t", "{}", 0))
+                ordering += 1  # the writer moves past the others' facts too (as an idle writer's position does)
+                positions[writer] = ordering
+                history.append(dict(positions))
+                # now: this moment's positions, or (a sync that took its "now" before another read on) an earlier
+                # one's; since: any position of each writer up to now (a token of this process or another's)
+                now_by_name = history[-1 - min(pick % 3, len(history) - 1)]
+                now = StreamToken.from_positions({_WRITERS[w]: p for w, p in now_by_name.items()})
+                # (the boundaries that matter most often: at an event, just before one, at a writer's position)
+                marks = sorted({0, *(e.stream_ordering - d for e in store.events for d in (0, 1)),
+                                *(v for moment in history for v in moment.values())})
+                since_by_name = {}
+                for i, w in enumerate(sorted(_WRITERS)):
+                    candidates = [m for m in marks if m <= now_by_name[w]]
+                    since_by_name[w] = candidates[(pick >> (8 * i)) % len(candidates)]
+                since = StreamToken.from_positions({_WRITERS[w]: p for w, p in since_by_name.items()})
+                if now.is_before_or_eq(since):
+                    continue
+                wanted = frozenset(rooms[: 1 + pick % 3])
+                got = self.successResultOf(ensureDeferred(sync._read_window(wanted, since, now, dict(now_by_name), limit)))
+                expected = store.window(sorted(wanted), since_by_name, since.minimum, now_by_name, now.minimum, limit)
+                self.assertEqual([e.event_id for e in got], [e.event_id for e in expected])
+                self.assertLessEqual(len(sync._recent), bound)
+
+    def test_a_chain_from_another_process_reads_from_memory(self) -> None:
+        """A sync whose token is not one this process gave out, but within what it keeps, makes no read."""
+        store = _WindowStore()
+        sync = SyncHandler(store, _Handler(), _Instances(), Clock())  # type: ignore[arg-type]
+        store.events = [SyncEvent(n, "w1" if n % 2 else "w2", f"$e{n}:t", "!a:t", "m.room.message", None, "@s:t",
+                                  "{}", 0) for n in range(1, 9)]
+
+        def token(w1: int, w2: int) -> StreamToken:
+            return StreamToken.from_positions({1: w1, 2: w2})
+
+        def window(since: StreamToken, w1: int, w2: int) -> list[str]:
+            got = ensureDeferred(sync._read_window(frozenset({"!a:t"}), since, token(w1, w2), {"w1": w1, "w2": w2}, 10))
+            return [e.event_id for e in self.successResultOf(got)]
+
+        self.assertEqual(window(token(0, 0), 2, 2), ["$e1:t", "$e2:t"])  # the first: read for its rooms
+        self.assertEqual(window(token(2, 2), 8, 8), [f"$e{n}:t" for n in range(3, 9)])  # extends what is kept
+        self.assertEqual(store.reads, [["!a:t"], None])
+        # another process's token: w1 further than here at the time, w2 behind
+        self.assertEqual(window(token(5, 4), 8, 8), ["$e6:t", "$e7:t", "$e8:t"])
+        self.assertEqual(store.reads, [["!a:t"], None])  # from memory
+        self.assertEqual(window(token(1, 1), 8, 8), [f"$e{n}:t" for n in range(2, 9)])  # older than kept: read
+        self.assertEqual(store.reads, [["!a:t"], None, ["!a:t"]])
+
+    def test_bounds_of_what_is_kept(self) -> None:
+        """A sync with an older ``now`` than what is kept gets nothing after it; past the bound the oldest events are
+        dropped, and a token just before the last one dropped reads from the database."""
+        from synflow.events import sync as sync_module
+
+        self.patch(sync_module, "RECENT_EVENTS", 4)
+        store = _WindowStore()
+        sync = SyncHandler(store, _Handler(), _Instances(), Clock())  # type: ignore[arg-type]
+        store.events = [SyncEvent(n, "w1", f"$e{n}:t", "!a:t", "m.room.message", None, "@s:t", "{}", 0)
+                        for n in range(1, 9)]
+
+        def window(since: int, now: int) -> list[int]:
+            got = ensureDeferred(sync._read_window(frozenset({"!a:t"}), StreamToken.at(since), StreamToken.at(now),
+                                                   {"w1": now}, 10))
+            return [e.stream_ordering for e in self.successResultOf(got)]
+
+        self.assertEqual(window(0, 2), [1, 2])  # read for its rooms; kept from 2 on
+        self.assertEqual(window(2, 4), [3, 4])
+        self.assertEqual(window(2, 3), [3])  # an older now: from memory, up to it only
+        self.assertEqual(window(4, 6), [5, 6])  # 4 kept: 3 to 6
+        self.assertEqual(len(store.reads), 3)
+        self.assertEqual(window(6, 7), [7])  # 5 kept: 3 and 4 dropped, kept from 4 on
+        self.assertEqual(sync._recent_from, StreamToken.at(4))
+        self.assertEqual(window(4, 7), [5, 6, 7])
+        self.assertEqual(len(store.reads), 4)
+        self.assertEqual(window(3, 7), [4, 5, 6, 7])  # just before the last one dropped: read
+        self.assertEqual(store.reads[-1], ["!a:t"])
