@@ -36,6 +36,7 @@ Internal to synflow: not part of the public API (``synflow.api``).
 from __future__ import annotations
 
 import logging
+import operator
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable
@@ -66,6 +67,9 @@ RECENT_EVENTS = 1024
 #: The rows of recent positions kept to tell a sync whether news for it arrived while it was reading
 #: (when more arrive during one read, the sync looks again rather than wait).
 RECENT_NEWS = 4096
+
+
+_stream_ordering = operator.attrgetter("stream_ordering")
 
 
 @attrs.frozen
@@ -337,8 +341,14 @@ class SyncHandler:
         if len(read) > RECENT_EVENTS:
             self._keep_from(upto)
             return
-        self._recent.extend(read)
-        self._recent_orderings.extend(e.stream_ordering for e in read)
+        recent, orderings = self._recent, self._recent_orderings
+        recent.extend(read)
+        if read and orderings and read[0].stream_ordering < orderings[-1]:
+            # A writer that was behind completed events below some already kept: keep every event in order.
+            recent.sort(key=_stream_ordering)
+            self._recent_orderings = [e.stream_ordering for e in recent]
+        else:
+            orderings.extend(e.stream_ordering for e in read)
         self._recent_to = upto
         if len(self._recent) > RECENT_EVENTS:
             # Drop the oldest quarter: every writer's kept events now start after the last one dropped.

@@ -444,30 +444,36 @@ _WRITERS = {"w1": 1, "w2": 2, "w3": 3}
 class RecentEventsTest(TestCase):
     """The window a sync gets from the recent events in memory is the one the database would give."""
 
-    @settings(max_examples=300, deadline=None)
-    @given(steps=st.lists(st.tuples(st.sampled_from(sorted(_WRITERS)), st.integers(0, 4),
+    @settings(max_examples=400, deadline=None)
+    @given(steps=st.lists(st.tuples(st.sampled_from(sorted(_WRITERS)), st.integers(0, 4), st.booleans(),
                                     st.lists(st.sampled_from(_ROOMS), min_size=4, max_size=4),
                                     st.integers(0, 2**30), st.integers(1, 6)), min_size=1, max_size=40),
            bound=st.sampled_from([3, 8, 1024]))
     def test_windows_match_the_database(self, steps: list[Any], bound: int) -> None:
-        """Writers write (or only move on), out of step with each other; syncs from tokens of any earlier moment,
-        or mixes of them, read windows of some rooms: each gets the database's answer, with the recent events
-        kept within their bound (trimmed, or started afresh past it)."""
+        """Writers allocate IDs from one sequence and complete them later, out of step with each other (a writer
+        behind completes IDs below ones already visible), or only move on; syncs from tokens of any earlier moment,
+        or mixes of them, read windows of some rooms: each gets the database's answer, in order, with the recent
+        events kept within their bound (trimmed, or started afresh past it)."""
         from synflow.events import sync as sync_module
 
         with mock.patch.object(sync_module, "RECENT_EVENTS", bound):
             store = _WindowStore()
             sync = SyncHandler(store, _Handler(), _Instances(), Clock())  # type: ignore[arg-type]
             positions = dict.fromkeys(_WRITERS, 0)
+            pending: dict[str, list[SyncEvent]] = {w: [] for w in _WRITERS}
             history = [dict(positions)]
-            ordering = 0
-            for writer, count, rooms, pick, limit in steps:
+            allocated = 0
+            for writer, count, complete, rooms, pick, limit in steps:
                 for n in range(count):
-                    ordering += 1
-                    store.events.append(SyncEvent(ordering, writer, f"$e{ordering}:t", rooms[n], "m.room.message",
-                                                  None, "@s:t", "{}", 0))
-                ordering += 1  # the writer moves past the others' facts too (as an idle writer's position does)
-                positions[writer] = ordering
+                    allocated += 1
+                    pending[writer].append(SyncEvent(allocated, writer, f"$e{allocated}:t", rooms[n],
+                                                     "m.room.message", None, "@s:t", "{}", 0))
+                if complete:
+                    # its transaction commits: its events become visible, and with nothing of its own left
+                    # outstanding it moves on to the highest ID allocated by anyone (as an idle writer does)
+                    store.events = sorted(store.events + pending[writer], key=lambda e: e.stream_ordering)
+                    pending[writer] = []
+                    positions[writer] = allocated
                 history.append(dict(positions))
                 # now: this moment's positions, or (a sync that took its "now" before another read on) an earlier
                 # one's; since: any position of each writer up to now (a token of this process or another's)
@@ -539,3 +545,41 @@ class RecentEventsTest(TestCase):
         self.assertEqual(len(store.reads), 4)
         self.assertEqual(window(3, 7), [4, 5, 6, 7])  # just before the last one dropped: read
         self.assertEqual(store.reads[-1], ["!a:t"])
+
+    def test_started_afresh_during_a_read(self) -> None:
+        """A read that extends what is kept, answered after the kept events started afresh (a writer's position went
+        back meanwhile), is not added to them: they stay every event after their new start."""
+        store = _WindowStore()
+        held: list[Deferred[None]] = []
+        window_of = store.window
+
+        def get_events_in_window(rooms: Any, *args: Any) -> Deferred[list[SyncEvent]]:
+            store.reads.append(rooms)
+            if rooms is not None:
+                return succeed(window_of(rooms, *args))
+            gate: Deferred[None] = Deferred()
+            held.append(gate)
+            return gate.addCallback(lambda _: window_of(rooms, *args))
+
+        store.get_events_in_window = get_events_in_window  # type: ignore[method-assign]
+        sync = SyncHandler(store, _Handler(), _Instances(), Clock())  # type: ignore[arg-type]
+        store.events = [SyncEvent(n, "w1" if n % 2 else "w2", f"$e{n}:t", "!a:t", "m.room.message", None, "@s:t",
+                                  "{}", 0) for n in range(1, 9)]
+
+        def read(since: tuple[int, int], now: tuple[int, int]) -> Deferred[list[SyncEvent]]:
+            return ensureDeferred(sync._read_window(
+                frozenset({"!a:t"}), StreamToken.from_positions({1: since[0], 2: since[1]}),
+                StreamToken.from_positions({1: now[0], 2: now[1]}), {"w1": now[0], "w2": now[1]}, 10))
+
+        self.successResultOf(read((0, 0), (3, 2)))  # kept from (3, 2) on
+        extending = read((3, 2), (5, 6))
+        self.assertEqual(len(held), 1)
+        self.successResultOf(read((1, 0), (7, 0)))  # w2 back at 0: afresh from (7, 0), and read from the database
+        held[0].callback(None)
+        self.assertEqual([e.event_id for e in self.successResultOf(extending)], ["$e4:t", "$e5:t", "$e6:t"])
+        self.assertEqual(sync._recent_from, sync._recent_to)  # nothing of that read kept
+        got = read((5, 6), (7, 8))  # from the new start on: kept again
+        self.assertEqual(len(held), 2)
+        held[-1].callback(None)
+        self.assertEqual([e.event_id for e in self.successResultOf(got)], ["$e7:t", "$e8:t"])
+        self.assertEqual([e.event_id for e in sync._recent], ["$e7:t", "$e8:t"])
