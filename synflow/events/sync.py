@@ -61,9 +61,11 @@ logger = logging.getLogger(__name__)
 #: ``since`` token from a faster process (the same bound as internal RPC's
 #: ``replication.wait_for_position_timeout_s`` default).
 CATCH_UP_TIMEOUT_S = 5.0
-#: The most recent events (of every room) a process keeps for the syncs from recent tokens. A new
-#: stretch larger than this is not kept: those syncs read from the database, for their rooms only.
+#: The most recent events (of every room) a process keeps for the syncs from recent tokens, and the
+#: most bytes of content they may hold between them. A new stretch larger than either is not kept:
+#: those syncs read from the database, for their rooms only.
 RECENT_EVENTS = 1024
+RECENT_BYTES = 8 * 1024 * 1024
 #: The rows of recent positions kept to tell a sync whether news for it arrived while it was reading
 #: (when more arrive during one read, the sync looks again rather than wait).
 RECENT_NEWS = 4096
@@ -123,6 +125,7 @@ class SyncHandler:
         #: Every room's events in ``(_recent_from, _recent_to]``, by stream ordering (see _recent_window).
         self._recent: list[SyncEvent] = []
         self._recent_orderings: list[int] = []
+        self._recent_bytes = 0  # of their content
         self._recent_from: StreamToken | None = None
         self._recent_to: StreamToken | None = None
         #: The syncs waiting for the read that extends the recent events (None: no such read is out).
@@ -303,10 +306,11 @@ class SyncHandler:
         forward, so each ``now`` a sync sees is at or after the last one kept,
         or before it: the stretch up to a later ``now`` is read once, for
         every room, by the first sync that needs it, and the syncs that need
-        it meanwhile wait for that read. Past :data:`RECENT_EVENTS` the oldest
-        events are dropped (and ``_recent_from`` moves up to the last of
-        them); a stretch larger than that, or positions that went back, start
-        the kept events afresh, empty, at ``now``.
+        it meanwhile wait for that read. Past :data:`RECENT_EVENTS` events or
+        :data:`RECENT_BYTES` of content the oldest events are dropped (and
+        ``_recent_from`` moves up to the last of them); a stretch larger than
+        that, or positions that went back, start the kept events afresh,
+        empty, at ``now``.
         """
         while True:
             kept_to = self._recent_to
@@ -343,23 +347,34 @@ class SyncHandler:
             return
         recent, orderings = self._recent, self._recent_orderings
         recent.extend(read)
+        self._recent_bytes += sum(len(e.content_json) for e in read)
         if read and orderings and read[0].stream_ordering < orderings[-1]:
             # A writer that was behind completed events below some already kept: keep every event in order.
             recent.sort(key=_stream_ordering)
-            self._recent_orderings = [e.stream_ordering for e in recent]
+            self._recent_orderings = orderings = [e.stream_ordering for e in recent]
         else:
             orderings.extend(e.stream_ordering for e in read)
         self._recent_to = upto
-        if len(self._recent) > RECENT_EVENTS:
-            # Drop the oldest quarter: every writer's kept events now start after the last one dropped.
-            drop = len(self._recent) - RECENT_EVENTS * 3 // 4
-            last = self._recent_orderings[drop - 1]
-            del self._recent[:drop], self._recent_orderings[:drop]
-            self._recent_from = upto.clamp(last).merge(cast(StreamToken, self._recent_from))
+        if len(recent) <= RECENT_EVENTS and self._recent_bytes <= RECENT_BYTES:
+            return
+        # Drop the oldest, down to three quarters of each bound: every writer's kept events then start
+        # after the last one dropped.
+        drop = max(0, len(recent) - RECENT_EVENTS * 3 // 4)
+        dropped = sum(len(e.content_json) for e in recent[:drop])
+        while drop < len(recent) and self._recent_bytes - dropped > RECENT_BYTES * 3 // 4:
+            dropped += len(recent[drop].content_json)
+            drop += 1
+        if drop >= len(recent):
+            self._keep_from(upto)
+            return
+        last = orderings[drop - 1]
+        del recent[:drop], orderings[:drop]
+        self._recent_bytes -= dropped
+        self._recent_from = upto.clamp(last).merge(cast(StreamToken, self._recent_from))
 
     def _keep_from(self, token: StreamToken) -> None:
         """Start the recent events afresh: none kept, from ``token`` on."""
-        self._recent, self._recent_orderings = [], []
+        self._recent, self._recent_orderings, self._recent_bytes = [], [], 0
         self._recent_from = self._recent_to = token
 
     async def _wait_until_reached(self, token: StreamToken, deadline: float) -> None:

@@ -448,15 +448,16 @@ class RecentEventsTest(TestCase):
     @given(steps=st.lists(st.tuples(st.sampled_from(sorted(_WRITERS)), st.integers(0, 4), st.booleans(),
                                     st.lists(st.sampled_from(_ROOMS), min_size=4, max_size=4),
                                     st.integers(0, 2**30), st.integers(1, 6)), min_size=1, max_size=40),
-           bound=st.sampled_from([3, 8, 1024]))
-    def test_windows_match_the_database(self, steps: list[Any], bound: int) -> None:
+           bound=st.sampled_from([3, 8, 1024]), bound_bytes=st.sampled_from([20, 60, 2**30]))
+    def test_windows_match_the_database(self, steps: list[Any], bound: int, bound_bytes: int) -> None:
         """Writers allocate IDs from one sequence and complete them later, out of step with each other (a writer
         behind completes IDs below ones already visible), or only move on; syncs from tokens of any earlier moment,
         or mixes of them, read windows of some rooms: each gets the database's answer, in order, with the recent
         events kept within their bound (trimmed, or started afresh past it)."""
         from synflow.events import sync as sync_module
 
-        with mock.patch.object(sync_module, "RECENT_EVENTS", bound):
+        with mock.patch.object(sync_module, "RECENT_EVENTS", bound), \
+                mock.patch.object(sync_module, "RECENT_BYTES", bound_bytes):
             store = _WindowStore()
             sync = SyncHandler(store, _Handler(), _Instances(), Clock())  # type: ignore[arg-type]
             positions = dict.fromkeys(_WRITERS, 0)
@@ -466,8 +467,9 @@ class RecentEventsTest(TestCase):
             for writer, count, complete, rooms, pick, limit in steps:
                 for n in range(count):
                     allocated += 1
+                    content = '{"b":"' + "x" * (allocated % 13) + '"}'  # 8 to 20 bytes
                     pending[writer].append(SyncEvent(allocated, writer, f"$e{allocated}:t", rooms[n],
-                                                     "m.room.message", None, "@s:t", "{}", 0))
+                                                     "m.room.message", None, "@s:t", content, 0))
                 if complete:
                     # its transaction commits: its events become visible, and with nothing of its own left
                     # outstanding it moves on to the highest ID allocated by anyone (as an idle writer does)
@@ -494,6 +496,8 @@ class RecentEventsTest(TestCase):
                 expected = store.window(sorted(wanted), since_by_name, since.minimum, now_by_name, now.minimum, limit)
                 self.assertEqual([e.event_id for e in got], [e.event_id for e in expected])
                 self.assertLessEqual(len(sync._recent), bound)
+                self.assertLessEqual(sync._recent_bytes, bound_bytes)
+                self.assertEqual(sync._recent_bytes, sum(len(e.content_json) for e in sync._recent))
 
     def test_a_chain_from_another_process_reads_from_memory(self) -> None:
         """A sync whose token is not one this process gave out, but within what it keeps, makes no read."""
