@@ -124,7 +124,6 @@ class SyncHandler:
         self._current: tuple[StreamToken, dict[str, int]] | None = None
         #: Every room's events in ``(_recent_from, _recent_to]``, by stream ordering (see _recent_window).
         self._recent: list[SyncEvent] = []
-        self._recent_orderings: list[int] = []
         self._recent_bytes = 0  # of their content
         self._recent_from: StreamToken | None = None
         self._recent_to: StreamToken | None = None
@@ -284,7 +283,7 @@ class SyncHandler:
             after, after_default = self._by_name(since), since.minimum
             upto_default = now.minimum
             recent = self._recent
-            first = bisect_right(self._recent_orderings, after_default)  # no writer's window starts lower
+            first = bisect_right(recent, after_default, key=_stream_ordering)  # no writer's window starts lower
             events = []
             for event in recent[first:] if first else recent:
                 ordering = event.stream_ordering
@@ -345,15 +344,13 @@ class SyncHandler:
         if len(read) > RECENT_EVENTS:
             self._keep_from(upto)
             return
-        recent, orderings = self._recent, self._recent_orderings
+        recent = self._recent
+        in_order = not read or not recent or read[0].stream_ordering > recent[-1].stream_ordering
         recent.extend(read)
         self._recent_bytes += sum(len(e.content_json) for e in read)
-        if read and orderings and read[0].stream_ordering < orderings[-1]:
+        if not in_order:
             # A writer that was behind completed events below some already kept: keep every event in order.
             recent.sort(key=_stream_ordering)
-            self._recent_orderings = orderings = [e.stream_ordering for e in recent]
-        else:
-            orderings.extend(e.stream_ordering for e in read)
         self._recent_to = upto
         if len(recent) <= RECENT_EVENTS and self._recent_bytes <= RECENT_BYTES:
             return
@@ -367,14 +364,14 @@ class SyncHandler:
         if drop >= len(recent):
             self._keep_from(upto)
             return
-        last = orderings[drop - 1]
-        del recent[:drop], orderings[:drop]
+        last = recent[drop - 1].stream_ordering
+        del recent[:drop]
         self._recent_bytes -= dropped
         self._recent_from = upto.clamp(last).merge(cast(StreamToken, self._recent_from))
 
     def _keep_from(self, token: StreamToken) -> None:
         """Start the recent events afresh: none kept, from ``token`` on."""
-        self._recent, self._recent_orderings, self._recent_bytes = [], [], 0
+        self._recent, self._recent_bytes = [], 0
         self._recent_from = self._recent_to = token
 
     async def _wait_until_reached(self, token: StreamToken, deadline: float) -> None:

@@ -89,58 +89,57 @@ class CatchUpTest(TestCase):
 
 
 class OneTurnTest(TestCase):
-    """A long-poll woken by several transactions delivered in one read answers once, with all of them."""
+    """Long-polls woken by RDATA on a fake clock: several transactions of one read answer once, with all of them,
+    and news that arrives while the sync still reads is not missed."""
 
     timeout = 30
 
     @inlineCallbacks
+    def setUp(self):
+        self.master, self.alice = yield single_master_with_user(self)
+        self.room = yield ensureDeferred(self.alice.create_room())
+        self.first = yield ensureDeferred(self.alice.send(self.room, {"body": "1"}, "t1"))
+        self.second = yield ensureDeferred(self.alice.send(self.room, {"body": "2"}, "t2"))
+        self.store = self.master.worker.store
+        everything = yield self.store.get_events_in_window(None, {}, 0, {}, 2**62, 1000)
+        self.ordering = {e.event_id: e.stream_ordering for e in everything}
+
+    @inlineCallbacks
+    def reader(self, at: int):
+        """A SyncHandler on a fake clock whose view has the writer at ``at`` (connected, nothing new), and its token."""
+        self.clock = Clock()
+        self.view, self.conn = positions_view("reader", self.clock, known={"master": at})
+        self.view.on_command(self.conn, PositionCommand("events", "master", at, at))
+        sync = SyncHandler(self.store, self.view, self.master.instances, self.clock)
+        ids = yield self.master.instances.ids_for(["master"])
+        return sync, str(StreamToken.from_positions({ids["master"]: at}))
+
+    def arrive(self, sent: dict[str, Any]) -> None:
+        """The RDATA of a sent event (its own transaction) arrives at the reader."""
+        row = EventsRow(sent["event_id"], self.room, "m.room.message", None, self.alice.user_id, None)
+        self.view.on_command(self.conn, RdataCommand("events", "master", self.ordering[sent["event_id"]], row.to_wire()))
+
+    @inlineCallbacks
     def test_transactions_of_one_read_are_in_one_answer(self):
-        master, alice = yield single_master_with_user(self)
-        room = yield ensureDeferred(alice.create_room())
-        first = yield ensureDeferred(alice.send(room, {"body": "1"}, "t1"))
-        second = yield ensureDeferred(alice.send(room, {"body": "2"}, "t2"))
-        store = master.worker.store
-        everything = yield store.get_events_in_window(None, {}, 0, {}, 2**62, 1000)
-        ordering = {e.event_id: e.stream_ordering for e in everything}
-        before = ordering[first["event_id"]] - 1
-        clock = Clock()
-        view, conn = positions_view("reader", clock, known={"master": before})
-        view.on_command(conn, PositionCommand("events", "master", before, before))  # connected, nothing new
-        sync = SyncHandler(store, view, master.instances, clock)
-        ids = yield master.instances.ids_for(["master"])
-        since = str(StreamToken.from_positions({ids["master"]: before}))
-        polled = ensureDeferred(sync.sync(alice.user_id, alice.user_id, since, 10_000, 10))
+        sync, since = yield self.reader(self.ordering[self.first["event_id"]] - 1)
+        polled = ensureDeferred(sync.sync(self.alice.user_id, self.alice.user_id, since, 10_000, 10))
         for _ in range(50):  # until the long-poll waits (its reads of the store run on the real reactor)
             if sync.waiting:
                 break
             yield _real(0.02)
         self.assertEqual(sync.waiting, 1)
-        for sent in (first, second):  # two transactions, one read: one RDATA each
-            row = EventsRow(sent["event_id"], room, "m.room.message", None, alice.user_id, None)
-            view.on_command(conn, RdataCommand("events", "master", ordering[sent["event_id"]], row.to_wire()))
-        clock.advance(0)
+        for sent in (self.first, self.second):  # two transactions, one read: one RDATA each
+            self.arrive(sent)
+        self.clock.advance(0)
         result = yield polled
-        self.assertEqual([e.event_id for e in result.events], [first["event_id"], second["event_id"]])
+        self.assertEqual([e.event_id for e in result.events], [self.first["event_id"], self.second["event_id"]])
 
     @inlineCallbacks
     def test_news_that_arrives_while_the_sync_reads_is_not_missed(self):
         """An event whose position arrives while a long-poll is still reading answers it, with no wait for a wake-up."""
-        master, alice = yield single_master_with_user(self)
-        room = yield ensureDeferred(alice.create_room())
-        first = yield ensureDeferred(alice.send(room, {"body": "1"}, "t1"))
-        second = yield ensureDeferred(alice.send(room, {"body": "2"}, "t2"))
-        store = master.worker.store
-        everything = yield store.get_events_in_window(None, {}, 0, {}, 2**62, 1000)
-        ordering = {e.event_id: e.stream_ordering for e in everything}
-        at = ordering[first["event_id"]]
-        clock = Clock()
-        view, conn = positions_view("reader", clock, known={"master": at})
-        view.on_command(conn, PositionCommand("events", "master", at, at))
-        sync = SyncHandler(store, view, master.instances, clock)
-        ids = yield master.instances.ids_for(["master"])
-        since = str(StreamToken.from_positions({ids["master"]: at}))  # the head: nothing new yet
+        sync, since = yield self.reader(self.ordering[self.first["event_id"]])  # the head: nothing new yet
         gate: Deferred[None] = Deferred()
-        rooms_of = store.get_rooms_for_user
+        rooms_of = self.store.get_rooms_for_user
         gated: list[str] = []
 
         async def slow_rooms(user_id: str) -> Any:
@@ -149,19 +148,19 @@ class OneTurnTest(TestCase):
                 await gate
             return await rooms_of(user_id)
 
-        self.patch(store, "get_rooms_for_user", lambda user_id: ensureDeferred(slow_rooms(user_id)))
-        polled = ensureDeferred(sync.sync(alice.user_id, alice.user_id, since, 10_000, 10))
-        self.assertEqual(gated, [alice.user_id])
-        row = EventsRow(second["event_id"], room, "m.room.message", None, alice.user_id, None)
-        view.on_command(conn, RdataCommand("events", "master", ordering[second["event_id"]], row.to_wire()))
-        clock.advance(0)  # the wake-up of this position has gone by: nobody was waiting yet
+        self.patch(self.store, "get_rooms_for_user", lambda user_id: ensureDeferred(slow_rooms(user_id)))
+        user = self.alice.user_id
+        polled = ensureDeferred(sync.sync(user, user, since, 10_000, 10))
+        self.assertEqual(gated, [user])
+        self.arrive(self.second)
+        self.clock.advance(0)  # the wake-up of this position has gone by: nobody was waiting yet
         gate.callback(None)
         for _ in range(50):  # its reads of the store run on the real reactor; the fake clock never moves
             if polled.called:
                 break
             yield _real(0.02)
         result = yield polled
-        self.assertEqual([e.event_id for e in result.events], [second["event_id"]])
+        self.assertEqual([e.event_id for e in result.events], [self.second["event_id"]])
         self.assertEqual(sync.waiting, 0)
 
     def test_news_since_a_read(self) -> None:
