@@ -586,3 +586,38 @@ class RecentEventsTest(TestCase):
         held[-1].callback(None)
         self.assertEqual([e.event_id for e in self.successResultOf(got)], ["$e7:t", "$e8:t"])
         self.assertEqual([e.event_id for e in sync._recent], ["$e7:t", "$e8:t"])
+
+    def test_a_failed_read_adds_nothing_and_the_waiting_syncs_read_again(self) -> None:
+        """The read that extends what is kept fails: its sync fails, nothing is added, and a sync that waited for
+        that read makes the read itself and gets its window."""
+        store = _WindowStore()
+        held: list[Deferred[None]] = []
+        window_of = store.window
+
+        def get_events_in_window(rooms: Any, *args: Any) -> Deferred[list[SyncEvent]]:
+            store.reads.append(rooms)
+            if rooms is not None:
+                return succeed(window_of(rooms, *args))
+            gate: Deferred[None] = Deferred()
+            held.append(gate)
+            return gate.addCallback(lambda _: window_of(rooms, *args))
+
+        store.get_events_in_window = get_events_in_window  # type: ignore[method-assign]
+        sync = SyncHandler(store, _Handler(), _Instances(), Clock())  # type: ignore[arg-type]
+        store.events = [SyncEvent(n, "w1", f"$e{n}:t", "!a:t", "m.room.message", None, "@s:t", "{}", 0)
+                        for n in range(1, 5)]
+
+        def read(since: int, now: int) -> Deferred[list[SyncEvent]]:
+            return ensureDeferred(sync._read_window(frozenset({"!a:t"}), StreamToken.at(since), StreamToken.at(now),
+                                                    {"w1": now}, 10))
+
+        self.successResultOf(read(0, 2))  # kept from 2 on
+        leader, follower = read(2, 4), read(2, 4)
+        self.assertEqual(len(held), 1)  # one read for both
+        held[0].errback(RuntimeError("database gone"))
+        self.failureResultOf(leader, RuntimeError)
+        self.assertEqual((sync._recent, sync._recent_to), ([], StreamToken.at(2)))  # nothing added
+        self.assertEqual(len(held), 2)  # the follower reads itself
+        held[1].callback(None)
+        self.assertEqual([e.event_id for e in self.successResultOf(follower)], ["$e3:t", "$e4:t"])
+        self.assertEqual((sync._recent_to, sync._extending), (StreamToken.at(4), None))
