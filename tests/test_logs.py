@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import io
+import threading
 import time
+from typing import Any
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from twisted.logger import LogLevel, textFileLogObserver
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -250,3 +254,140 @@ class LogTextTest(SynchronousTestCase):
         self.assertEqual(first.split(" ", 1)[1],
                          "[synflow.access#info] GET /_synflow/client/v1/sync?since=s1&access_token=<redacted> 200 "
                          "12.3ms @u:hs")
+
+
+class _Reactor:
+    """As much of a reactor as :class:`~synflow.app.logs.HeldLines` uses: running or not, and its turn's end."""
+
+    def __init__(self, running: bool = True) -> None:
+        self.running = running
+        self.soon: list = []
+        self.triggers: list = []
+
+    def callLater(self, delay: float, f: Any) -> None:
+        assert delay == 0
+        self.soon.append(f)
+
+    def addSystemEventTrigger(self, phase: str, event: str, f: Any) -> None:
+        self.triggers.append((phase, event, f))
+
+    def end_turn(self) -> None:
+        soon, self.soon = self.soon, []
+        for f in soon:
+            f()
+
+
+class _Out(io.StringIO):
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes = 0
+
+    def write(self, text: str) -> int:
+        self.writes += 1
+        return super().write(text)
+
+
+class HeldLinesTest(SynchronousTestCase):
+    """Lines logged on the reactor's thread while it runs are written together once its turn ends."""
+
+    def setUp(self) -> None:
+        from twisted.python import threadable
+
+        self.patch(threadable, "ioThread", threading.get_ident())
+        self.reactor = _Reactor()
+        self.out = _Out()
+        self.lines = logs.HeldLines(self.out, self.reactor)
+
+    def test_held_until_the_turn_ends_then_one_write(self):
+        for n in range(3):
+            self.lines.write(f"line {n}\n", LogLevel.info)
+        self.assertEqual(self.out.getvalue(), "")
+        self.assertEqual(len(self.reactor.soon), 1)  # one flush for the turn, not one per line
+        self.reactor.end_turn()
+        self.assertEqual(self.out.getvalue(), "line 0\nline 1\nline 2\n")
+        self.assertEqual(self.out.writes, 1)
+        self.lines.write("next turn\n", LogLevel.debug)
+        self.reactor.end_turn()
+        self.assertEqual(self.out.getvalue().splitlines()[-1], "next turn")
+
+    def test_warning_writes_at_once_after_what_was_held(self):
+        self.lines.write("held\n", LogLevel.info)
+        for level in (LogLevel.warn, LogLevel.error, LogLevel.critical):
+            self.lines.write(f"{level.name}\n", level)
+        self.assertEqual(self.out.getvalue(), "held\nwarn\nerror\ncritical\n")
+        self.reactor.end_turn()  # nothing left to write
+        self.assertEqual(self.out.getvalue(), "held\nwarn\nerror\ncritical\n")
+
+    def test_other_thread_or_stopped_reactor_writes_at_once(self):
+        self.lines.write("held\n", LogLevel.info)
+        done = []
+        worker = threading.Thread(target=lambda: done.append(self.lines.write("from a thread\n", LogLevel.info)))
+        worker.start()
+        worker.join()
+        self.assertEqual(self.out.getvalue(), "held\nfrom a thread\n")
+        self.reactor.running = False
+        self.lines.write("stopped\n", LogLevel.info)
+        self.assertEqual(self.out.getvalue(), "held\nfrom a thread\nstopped\n")
+
+    def test_too_much_held_is_written_without_waiting(self):
+        line = "x" * 1000 + "\n"
+        for _ in range(logs.HeldLines.MAX_HELD_CHARS // len(line)):
+            self.lines.write(line, LogLevel.info)
+        self.assertEqual(self.out.getvalue(), "")
+        self.lines.write(line, LogLevel.info)
+        self.assertEqual(len(self.out.getvalue()), (logs.HeldLines.MAX_HELD_CHARS // len(line) + 1) * len(line))
+
+    def test_shutdown_writes_what_is_held(self):
+        lines = logs.HeldLines(self.out)  # the global reactor: the trigger is registered on it
+        from twisted.internet import reactor
+
+        triggers = []
+        self.patch(reactor, "addSystemEventTrigger", lambda *args: triggers.append(args))
+        self.patch(reactor, "running", True)
+        self.patch(reactor, "callLater", lambda delay, f: None)
+        lines.write("held at shutdown\n", LogLevel.info)
+        self.assertEqual(self.out.getvalue(), "")
+        [(phase, event, flush)] = triggers
+        self.assertEqual((phase, event), ("after", "shutdown"))
+        flush()
+        self.assertEqual(self.out.getvalue(), "held at shutdown\n")
+
+
+LEVELS = st.sampled_from(list(LogLevel.iterconstants()))
+NAMESPACES = st.sampled_from(["", "synflow", "synflow.access", "synflow.accessx", "synflow.federation.sender",
+                              "twisted", "log_legacy", "a.b.c.d"])
+
+
+class LevelFilterTest(SynchronousTestCase):
+    @settings(max_examples=200, deadline=None)
+    @given(default=LEVELS, levels=st.dictionaries(NAMESPACES.filter(bool), LEVELS, max_size=4),
+           events=st.lists(st.tuples(NAMESPACES | st.none(), LEVELS | st.none()), max_size=20))
+    def test_passes_what_twisteds_filter_passes(self, default, levels, events):
+        """The same events pass as through ``FilteringLogObserver`` with a ``LogLevelFilterPredicate``."""
+        from twisted.logger import FilteringLogObserver, LogLevelFilterPredicate
+
+        predicate = LogLevelFilterPredicate(defaultLogLevel=default)
+        for name, level in levels.items():
+            predicate.setLogLevelForNamespace(name, level)
+        ours, theirs = [], []
+        mine, reference = logs.LevelFilter(ours.append, predicate), FilteringLogObserver(theirs.append, [predicate])
+        for n, (namespace, level) in enumerate(events * 2):  # twice: the second time from the kept levels
+            event = {"n": n}
+            if namespace is not None:
+                event["log_namespace"] = namespace
+            if level is not None:
+                event["log_level"] = level
+            mine(dict(event))
+            reference(dict(event))
+        self.assertEqual(ours, theirs)
+
+    def test_kept_levels_are_bounded(self):
+        from twisted.logger import LogLevelFilterPredicate
+
+        self.patch(logs.LevelFilter, "MAX_NAMESPACES", 8)
+        passed = []
+        observer = logs.LevelFilter(passed.append, LogLevelFilterPredicate(defaultLogLevel=LogLevel.info))
+        for n in range(50):
+            observer({"log_namespace": f"ns{n}", "log_level": LogLevel.info})
+            self.assertLessEqual(len(observer._levels), 8)
+        self.assertEqual(len(passed), 50)

@@ -13,6 +13,12 @@ the rest from the ``logging:`` config section:
   (twistd alone rotates at 1 MB and never deletes). SIGUSR1 rotates it now.
 * ``levels`` sets a level per logger name: a stdlib logger
   (``synflow.federation``) and the Twisted log namespace of the same name.
+* Lines below WARNING logged while the reactor runs are written together
+  at the end of the reactor's turn (one write for the access lines of
+  every request it answered, not one each); a WARNING or worse line, a
+  line logged from another thread or while the reactor is not running
+  writes them at once. A process killed outright loses at most the lines
+  of the turn it was in.
 
 The observer reaches twistd as the application's ``ILogObserver`` component,
 which twistd prefers over the one it would build. Internal: the twistd
@@ -23,18 +29,18 @@ Internal to synflow: not part of the public API (``synflow.api``).
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
 import signal
 import sys
+import threading
 import time
 from typing import IO, Any, cast
 
 from twisted.application.service import IService, MultiService
 from twisted.logger import (
-    FileLogObserver,
-    FilteringLogObserver,
     ILogObserver,
     LogEvent,
     LogLevel,
@@ -44,14 +50,19 @@ from twisted.logger import (
     formatTime,
 )
 from twisted.python.logfile import LogFile
+from twisted.python import threadable
 from zope.interface import implementer
 
 from synflow.config import SynflowConfig
 from synflow.logbridge import PREFORMATTED
 
-__all__ = ["JsonLogObserver", "make_observer", "with_log_observer"]
+__all__ = ["HeldLines", "JsonLogObserver", "LevelFilter", "make_observer", "with_log_observer"]
 
 _TWISTED_LEVELS = {"DEBUG": LogLevel.debug, "INFO": LogLevel.info, "WARNING": LogLevel.warn, "ERROR": LogLevel.error}
+#: The levels whose lines are written at once (see :class:`HeldLines`).
+_URGENT = frozenset({LogLevel.warn, LogLevel.error, LogLevel.critical})
+#: Each level's rank, lowest first: compared as ints (LogLevel's own comparisons are Python methods).
+_RANK = {level: rank for rank, level in enumerate(LogLevel.iterconstants())}
 _LEVEL_NAMES = {LogLevel.debug: "debug", LogLevel.info: "info", LogLevel.warn: "warning",
                 LogLevel.error: "error", LogLevel.critical: "critical"}
 
@@ -60,8 +71,8 @@ _LEVEL_NAMES = {LogLevel.debug: "debug", LogLevel.info: "info", LogLevel.warn: "
 class JsonLogObserver:
     """Writes each log event as one JSON object per line."""
 
-    def __init__(self, out: IO[str] | LogFile, instance: str) -> None:
-        self._out = out
+    def __init__(self, out: IO[str] | LogFile | HeldLines, instance: str) -> None:
+        self._out = out if isinstance(out, HeldLines) else HeldLines(out)
         self._instance = instance
         self._second: int | None = None  # the time's text to the second, computed once a second
         self._second_text = ""
@@ -85,8 +96,7 @@ class JsonLogObserver:
         failure = event.get("log_failure")
         if failure is not None:
             record["failure"] = failure.getTraceback()
-        self._out.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
-        self._out.flush()
+        self._out.write(json.dumps(record, ensure_ascii=False, default=str) + "\n", level)
 
 
 def preformatted_text(event: LogEvent) -> str | None:
@@ -114,20 +124,128 @@ class _SecondCache:
         return self._text
 
 
-def text_observer(out: IO[str] | LogFile) -> ILogObserver:
-    """twistd's classic text lines (``TIME [namespace#level] message``), as ``textFileLogObserver`` writes them."""
-    cached = _SecondCache()
+class HeldLines:
+    """A log file's lines, written together at the end of the reactor's turn.
 
-    def line(event: LogEvent) -> str | None:
+    :meth:`write` holds a line logged on the reactor's thread while it runs
+    and writes every held line once the turn's work is done (a
+    ``callLater(0)``): the process log is unbuffered, so each line would
+    otherwise be a system call of its own. A line at WARNING or above, a
+    line from another thread (the database threads log too), a line while
+    the reactor is not running (start-up, shutdown, tests) or past
+    :data:`MAX_HELD_CHARS` held writes the held lines and itself at once,
+    in the order they were logged.
+    """
+
+    #: Held text past which the lines are written without waiting for the turn to end.
+    MAX_HELD_CHARS = 64 * 1024
+
+    def __init__(self, out: IO[str] | LogFile, reactor: Any = None) -> None:
+        self._out = out
+        self._reactor = reactor
+        self._held: list[str] = []
+        self._held_chars = 0
+        self._lock = threading.Lock()
+
+    def write(self, text: str, level: Any = None) -> None:
+        """Write ``text`` (whole lines), held until the turn ends unless it must go now (see the class)."""
+        if level in _URGENT or not self._may_hold():
+            with self._lock:
+                held, self._held, self._held_chars = self._held, [], 0
+                held.append(text)
+                self._write(held)
+            return
+        with self._lock:
+            first = not self._held
+            self._held.append(text)
+            self._held_chars += len(text)
+            full = self._held_chars > self.MAX_HELD_CHARS
+        if full:
+            self.flush()
+        elif first:
+            self._reactor_now().callLater(0, self.flush)
+
+    def flush(self) -> None:
+        """Write the held lines now."""
+        with self._lock:
+            held, self._held, self._held_chars = self._held, [], 0
+            if held:
+                self._write(held)
+
+    def _write(self, lines: list[str]) -> None:
+        self._out.write("".join(lines))
+        self._out.flush()
+
+    def _may_hold(self) -> bool:
+        reactor = self._reactor_now()
+        return bool(getattr(reactor, "running", False)) and threadable.ioThread == threading.get_ident()
+
+    def _reactor_now(self) -> Any:
+        if self._reactor is None:
+            from twisted.internet import reactor
+
+            self._reactor = reactor
+            # Lines held when the reactor stops are written as it shuts down, or at exit at the latest.
+            reactor.addSystemEventTrigger("after", "shutdown", self.flush)
+            atexit.register(self.flush)
+        return self._reactor
+
+
+class _TextObserver:
+    """Writes each event as twistd's classic text line through :class:`HeldLines`."""
+
+    def __init__(self, out: HeldLines) -> None:
+        self._out = out
+        self._time = _SecondCache()
+
+    def __call__(self, event: LogEvent) -> None:
+        level = event.get("log_level")
         text = preformatted_text(event)
         if text is None or not text or "log_system" in event:
-            return formatEventAsClassicLogText(event, formatTime=cached)
-        # formatEventAsClassicLogText's line, without its generic formatting of the message.
-        level = event.get("log_level")
-        system = f"{event.get('log_namespace') or '-'}#{level.name if level is not None else '-'}"
-        return f"{cached(event.get('log_time'))} [{system}] {text.replace(chr(10), chr(10) + chr(9))}\n"
+            line = formatEventAsClassicLogText(event, formatTime=self._time)
+        else:
+            # formatEventAsClassicLogText's line, without its generic formatting of the message.
+            system = f"{event.get('log_namespace') or '-'}#{level.name if level is not None else '-'}"
+            line = f"{self._time(event.get('log_time'))} [{system}] {text.replace(chr(10), chr(10) + chr(9))}\n"
+        if line:
+            self._out.write(line, level)
 
-    return FileLogObserver(cast(IO[str], out), line)
+
+def text_observer(out: IO[str] | LogFile | HeldLines) -> ILogObserver:
+    """twistd's classic text lines (``TIME [namespace#level] message``), as ``textFileLogObserver`` writes them."""
+    return cast(ILogObserver, _TextObserver(out if isinstance(out, HeldLines) else HeldLines(out)))
+
+
+class LevelFilter:
+    """Passes an event on when its level is at least its namespace's (``LogLevelFilterPredicate``'s rule).
+
+    The namespace's level is the one set for its longest dotted prefix, or
+    the default; an event without a level or a namespace is dropped. The
+    level found for each namespace is kept (at most :data:`MAX_NAMESPACES`
+    of them), where ``FilteringLogObserver`` walks the prefixes for every
+    event.
+    """
+
+    #: Namespaces whose level is kept; past this many the kept levels start again.
+    MAX_NAMESPACES = 1024
+
+    def __init__(self, observer: ILogObserver, predicate: LogLevelFilterPredicate) -> None:
+        self._observer = observer
+        self._predicate = predicate
+        self._levels: dict[str, int] = {}
+
+    def __call__(self, event: LogEvent) -> None:
+        level = event.get("log_level")
+        namespace = event.get("log_namespace")
+        if level is None or not namespace:
+            return
+        least = self._levels.get(namespace)
+        if least is None:
+            if len(self._levels) >= self.MAX_NAMESPACES:
+                self._levels.clear()
+            least = self._levels[namespace] = _RANK[self._predicate.logLevelForNamespace(namespace)]
+        if _RANK.get(level, -1) >= least:
+            self._observer(event)
 
 
 def _logger_name(event: LogEvent) -> str:
@@ -173,7 +291,7 @@ def make_observer(config: SynflowConfig, logfile: str | None, nodaemon: bool) ->
     for name, level in config.logging.levels.items():
         predicate.setLogLevelForNamespace(name, _TWISTED_LEVELS[level.upper()])
         logging.getLogger(name).setLevel(level.upper())
-    return FilteringLogObserver(base, [predicate])
+    return cast(ILogObserver, LevelFilter(base, predicate))
 
 
 class _LogRoot(MultiService):

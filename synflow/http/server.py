@@ -25,12 +25,12 @@ import math
 import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Final
+from typing import Any, Final, cast
 from urllib.parse import unquote
 
 from twisted.internet.defer import Deferred
 from twisted.python.failure import Failure
-from twisted.web.http import datetimeToString
+from twisted.web.http import NO_BODY_CODES, HTTPChannel, datetimeToString
 from twisted.web.resource import Resource, _IEncodingResource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 from twisted.web.server import version as server_version
@@ -157,6 +157,31 @@ class LimitedRequest(Request):
         except BaseException:
             self.processingFailed(Failure())
 
+    def whole_response_ok(self) -> bool:
+        """Whether :meth:`write_whole` may answer: nothing written yet, a response with a body, and nothing
+        twisted.web's own first write would add (an encoder, a fake HEAD, Last-Modified, ETag, cookies)."""
+        return (not self.startedWriting and self.method != b"HEAD" and self.code not in NO_BODY_CODES
+                and self._encoder is None and not self._inFakeHead and self.lastModified is None
+                and self.etag is None and not self.cookies and isinstance(self.channel, JsonChannel))
+
+    def write_whole(self, tail: bytes, data: bytes) -> None:
+        """Write the response's head -- status line, the headers set so far, then ``tail`` (the last header
+        lines and the blank line, already encoded) -- and its whole body ``data`` in one write.
+
+        What twisted.web's first ``write`` sends for a response with a Content-Length, without its checks per
+        header and its two writes; the caller has checked :meth:`whole_response_ok` and then finishes the
+        request. The headers set so far went through ``setHeader``, which sanitized them.
+        """
+        head = [b"%s %d %s\r\n" % (self.clientproto, self.code, self.code_message)]
+        for name, values in self.responseHeaders.getAllRawHeaders():
+            for value in values:
+                head.append(b"%s: %s\r\n" % (name, value))
+        head.append(tail)
+        head.append(data)
+        self.startedWriting = 1
+        self.sentLength = len(data)
+        cast(Any, self.channel.transport).write(b"".join(head))
+
     def gotLength(self, length: int | None) -> None:
         limit = _limit(self)
         if length is not None and length > limit:
@@ -200,25 +225,43 @@ def _limit(request: Request) -> int:
     return int(getattr(site, "max_body_bytes", DEFAULT_MAX_BODY))
 
 
+class JsonChannel(HTTPChannel):
+    """twisted.web's HTTP/1.1 channel, used as it is rather than behind its HTTP/2 negotiating wrapper.
+
+    synflow's listeners speak HTTP/1.1 (over TLS too: that is the
+    transport's business); the wrapper only forwards each call. Nagle's
+    algorithm is off (:func:`no_delay`), and the connection's two addresses
+    are looked up once: twisted.web asks for both on every request, and the
+    local one is a ``getsockname`` system call each time.
+    """
+
+    _peer: Any = None
+    _host: Any = None
+
+    def connectionMade(self) -> None:
+        no_delay(self.transport)
+        super().connectionMade()
+
+    def getPeer(self) -> Any:
+        if self._peer is None:
+            self._peer = cast(Any, self.transport).getPeer()
+        return self._peer
+
+    def getHost(self) -> Any:
+        if self._host is None:
+            self._host = cast(Any, self.transport).getHost()
+        return self._host
+
+
 class JsonSite(Site):
-    """A Site using :class:`LimitedRequest`, with no access log noise."""
+    """A Site using :class:`LimitedRequest` on :class:`JsonChannel` s."""
 
     requestFactory = LimitedRequest
+    protocol = JsonChannel  # type: ignore[assignment]  # twisted.web's default is its negotiating wrapper
 
     def __init__(self, resource: Resource, *, max_body_bytes: int = DEFAULT_MAX_BODY, **kwargs: Any) -> None:
         super().__init__(resource, **kwargs)
         self.max_body_bytes = max_body_bytes
-
-    def buildProtocol(self, addr: Any) -> Any:
-        protocol = super().buildProtocol(addr)
-        make_connection = protocol.makeConnection
-
-        def make(transport: Any) -> None:
-            no_delay(transport)
-            make_connection(transport)
-
-        protocol.makeConnection = make
-        return protocol
 
     def log(self, request: Any) -> None:
         """One access log line per request: method, path (query secrets redacted), status, duration, user.
@@ -360,10 +403,17 @@ def respond_json(request: Request, code: int, body: Any) -> None:
         return
     data = body.text.encode("utf-8") if type(body) is EncodedJson else encode_json(body)
     request.setResponseCode(code)
-    request.setHeader(b"Content-Type", b"application/json")
-    request.setHeader(b"Content-Length", str(len(data)).encode())
-    request.write(data)
+    if isinstance(request, LimitedRequest) and request.whole_response_ok():
+        request.write_whole(_JSON_HEAD_TAIL % len(data), data)
+    else:
+        request.setHeader(b"Content-Type", b"application/json")
+        request.setHeader(b"Content-Length", str(len(data)).encode())
+        request.write(data)
     request.finish()
+
+
+#: The last lines of a JSON response's head (its Content-Length filled in).
+_JSON_HEAD_TAIL = b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
 
 
 class JsonResource(Resource):

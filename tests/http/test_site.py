@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import time
 from typing import Any
+from unittest.mock import patch
 
+from twisted.internet.address import IPv4Address
+from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.http import datetimeToString
 from twisted.web.resource import Resource
 from twisted.web.server import version as server_version
 from twisted.web.test.requesthelper import DummyChannel
 
+from synflow.errors import HttpApiError
 from synflow.http import server
-from synflow.http.server import JsonSite, LimitedRequest
+from synflow.http.server import JsonResource, JsonSite, LimitedRequest
 from synflow.http.site import build_site
 
 
@@ -106,3 +110,111 @@ class OtherRootTest(SynchronousTestCase):
         self.assertTrue(written.endswith(b"plain"))
         self.assertEqual(leaf.seen, [[b"b c"]])  # twisted.web unquotes each segment
         self.assertIsNotNone(request.responseHeaders.getRawHeaders(b"Date"))
+
+
+class _Routes(JsonResource):
+    """Answers ``/x/ok`` with a body, ``/x/limited`` with a 429 and its Retry-After, ``/x/empty`` with ``{}``."""
+
+    def __init__(self) -> None:
+        super().__init__("/x")
+        self.route("GET", r"/ok", self.ok)
+        self.route("HEAD", r"/ok", self.ok)
+        self.route("GET", r"/limited", self.limited)
+        self.route("GET", r"/empty", self.empty)
+
+    async def ok(self, request: Any) -> tuple[int, Any]:
+        return 200, {"events": ["é", 1], "next_batch": "s1"}
+
+    async def limited(self, request: Any) -> tuple[int, Any]:
+        raise HttpApiError(429, "M_LIMIT_EXCEEDED", "slow down", retry_after_ms=1500)
+
+    async def empty(self, request: Any) -> tuple[int, Any]:
+        return 201, {}
+
+
+class _Transport(StringTransport):
+    def __init__(self) -> None:
+        super().__init__(hostAddress=IPv4Address("TCP", "127.0.0.1", 8008),
+                         peerAddress=IPv4Address("TCP", "127.0.0.1", 50000))
+        self.host_lookups = 0
+        self.no_delay: bool | None = None
+        self.writes = 0
+
+    def write(self, data: bytes) -> None:
+        self.writes += 1
+        super().write(data)
+
+    def writeSequence(self, seq: Any) -> None:
+        self.writes += 1
+        super().writeSequence(seq)
+
+    def getHost(self) -> Any:
+        self.host_lookups += 1
+        return super().getHost()
+
+    def setTcpNoDelay(self, enabled: bool) -> None:
+        self.no_delay = enabled
+
+
+def _serve(requests: bytes, *, whole: bool = True) -> tuple[bytes, _Transport]:
+    """What a :class:`JsonSite` channel writes back for ``requests`` (the head writer on or off)."""
+    site = build_site({"/x": _Routes()}, max_body_bytes=1024)
+    channel = site.buildProtocol(None)
+    transport = _Transport()
+    with patch.object(LimitedRequest, "whole_response_ok", lambda self: whole and LIMITED_WHOLE_OK(self)):
+        channel.makeConnection(transport)
+        channel.dataReceived(requests)
+    return transport.value(), transport
+
+
+LIMITED_WHOLE_OK = LimitedRequest.whole_response_ok
+
+
+class ChannelTest(SynchronousTestCase):
+    """A JSON response's head and body written in one go are the bytes twisted.web's own writes send."""
+
+    def setUp(self) -> None:
+        self.patch(time, "time", lambda: 1_800_000_000.25)
+
+    def test_whole_response_is_twisted_webs_bytes(self) -> None:
+        """Status line, the headers set before (Server, Date, Retry-After), Content-Type and Content-Length, the
+        body: byte for byte what twisted.web writes, for HTTP/1.1 and 1.0, a 200, a 201 and a refusal."""
+        for version in (b"HTTP/1.1", b"HTTP/1.0"):
+            for path in (b"/x/ok", b"/x/limited", b"/x/empty", b"/x/missing"):
+                request = b"GET " + path + b" " + version + b"\r\nHost: h\r\n\r\n"
+                fast, _ = _serve(request)
+                slow, _ = _serve(request, whole=False)
+                self.assertEqual(fast, slow, (version, path))
+                self.assertTrue(fast.startswith(version + b" "), fast)
+        fast, _ = _serve(b"GET /x/limited HTTP/1.1\r\nHost: h\r\n\r\n")
+        self.assertIn(b"\r\nRetry-After: 2\r\n", fast)
+        head, _, body = fast.partition(b"\r\n\r\n")
+        self.assertIn(b"Content-Length: %d" % len(body), head)
+
+    def test_kept_alive_connection_answers_each_request(self) -> None:
+        """Pipelined requests on one HTTP/1.1 connection are each answered in turn, whole."""
+        one = b"GET /x/ok HTTP/1.1\r\nHost: h\r\n\r\n"
+        written, transport = _serve(one * 3)
+        self.assertEqual(written.count(b"HTTP/1.1 200 OK\r\n"), 3)
+        self.assertEqual(written, _serve(one)[0] * 3)
+        self.assertFalse(transport.disconnecting)
+        self.assertEqual(transport.writes, 3)  # each response in one write
+        self.assertEqual(_serve(one * 3, whole=False)[1].writes, 6)  # twisted.web's: the head, then the body
+
+    def test_http_1_0_closes_after_the_response(self) -> None:
+        written, transport = _serve(b"GET /x/ok HTTP/1.0\r\nHost: h\r\n\r\n")
+        self.assertTrue(written.startswith(b"HTTP/1.0 200 OK\r\n"))
+        self.assertTrue(transport.disconnecting)
+
+    def test_head_is_answered_without_a_body(self) -> None:
+        """A HEAD request is twisted.web's to answer (headers only): the whole-response writer is not used."""
+        written, _ = _serve(b"HEAD /x/ok HTTP/1.1\r\nHost: h\r\n\r\n")
+        self.assertTrue(written.startswith(b"HTTP/1.1 200 OK\r\n"), written)
+        self.assertTrue(written.endswith(b"\r\n\r\n"), written)
+        self.assertEqual(written, _serve(b"HEAD /x/ok HTTP/1.1\r\nHost: h\r\n\r\n", whole=False)[0])
+
+    def test_addresses_looked_up_once_per_connection_and_nagle_off(self) -> None:
+        one = b"GET /x/ok HTTP/1.1\r\nHost: h\r\n\r\n"
+        _, transport = _serve(one * 4)
+        self.assertEqual(transport.host_lookups, 1)
+        self.assertIs(transport.no_delay, True)
