@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import json
 from typing import Any
+from urllib.parse import quote, urlencode
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
 from twisted.internet.error import TimeoutError
-from twisted.trial.unittest import TestCase
+from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.client import HTTPConnectionPool
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Site
 
+from synflow.tools import client
 from synflow.tools.client import PREFIX, ApiError, Client, ClientPool, new_pool
 from synflow.tools.workload import UserState, Workload
 
@@ -189,3 +193,17 @@ class WorkloadStartTest(_ServerTest):
         w.stop_syncing()
         await self.site.close_all()  # the held sync fails, and the chain stops
         await chains
+
+
+class QuotingTest(SynchronousTestCase):
+    @settings(max_examples=500)
+    @given(st.text(), st.dictionaries(st.text(min_size=1), st.one_of(st.text(), st.integers())))
+    def test_paths_and_queries_are_urllibs(self, text: str, params: dict[str, Any]) -> None:
+        """The client's quoting of path segments and queries gives urllib's text for any input."""
+        self.assertEqual(client._quote(text), quote(text))
+        self.assertEqual(client._quote(text), quote(text))  # kept from the first call
+        self.assertEqual(client._query(params), urlencode(params))
+
+    def test_common_values_skip_escaping(self) -> None:
+        self.assertEqual(client._query({"timeout": 2000, "since": "m12~1.5_3"}), "timeout=2000&since=m12~1.5_3")
+        self.assertEqual(client._quote("!room:hs"), "%21room%3Ahs")

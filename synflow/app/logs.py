@@ -49,8 +49,8 @@ from twisted.logger import (
     formatEventAsClassicLogText,
     formatTime,
 )
-from twisted.python.logfile import LogFile
 from twisted.python import threadable
+from twisted.python.logfile import LogFile
 from zope.interface import implementer
 
 from synflow.config import SynflowConfig

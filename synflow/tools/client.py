@@ -16,6 +16,7 @@ Internal to synflow: not part of the public API (``synflow.api``).
 from __future__ import annotations
 
 import json
+import re
 from functools import lru_cache
 from typing import Any
 from urllib.parse import quote, urlencode, urlsplit
@@ -62,6 +63,28 @@ def _address(base_url: str) -> tuple[str, int, bytes]:
         raise ValueError(f"the client speaks plain HTTP to host:port, not {base_url!r}")
     port = parts.port or 80
     return parts.hostname, port, parts.netloc.encode("ascii")
+
+
+#: Text that ``quote`` and ``urlencode`` leave as it is: unreserved characters (and ``/`` for a path's ``quote``).
+_unreserved = re.compile(r"[A-Za-z0-9_.~-]*").fullmatch
+_unreserved_or_slash = re.compile(r"[A-Za-z0-9_.~/-]*").fullmatch
+
+
+_quote_kept = lru_cache(maxsize=1024)(quote)
+
+
+def _quote(text: str) -> str:
+    """``urllib.parse.quote(text)``: as it is when nothing needs escaping, else kept for the next call (room IDs
+    and event types recur in every call about them)."""
+    return text if _unreserved_or_slash(text) else _quote_kept(text)
+
+
+def _query(params: dict[str, Any]) -> str:
+    """``urlencode(params)``, without its work when no name or value needs escaping."""
+    pairs = [(name, str(value)) for name, value in params.items()]
+    if all(_unreserved(name) and _unreserved(value) for name, value in pairs):
+        return "&".join(f"{name}={value}" for name, value in pairs)
+    return urlencode(pairs)
 
 
 #: The bytes that end a request line's word or a header: space, the C0 controls and DEL.
@@ -149,25 +172,25 @@ class Client:
         return (await self.request("POST", "/rooms", {} if preset is None else {"preset": preset}))["room_id"]
 
     async def join(self, room_id: str) -> None:
-        await self.request("POST", f"/rooms/{quote(room_id)}/join", {})
+        await self.request("POST", f"/rooms/{_quote(room_id)}/join", {})
 
     async def leave(self, room_id: str) -> None:
-        await self.request("POST", f"/rooms/{quote(room_id)}/leave", {})
+        await self.request("POST", f"/rooms/{_quote(room_id)}/leave", {})
 
     async def invite(self, room_id: str, user_id: str) -> None:
-        await self.request("POST", f"/rooms/{quote(room_id)}/invite", {"user_id": user_id})
+        await self.request("POST", f"/rooms/{_quote(room_id)}/invite", {"user_id": user_id})
 
     async def kick(self, room_id: str, user_id: str) -> None:
-        await self.request("POST", f"/rooms/{quote(room_id)}/kick", {"user_id": user_id})
+        await self.request("POST", f"/rooms/{_quote(room_id)}/kick", {"user_id": user_id})
 
     async def send(self, room_id: str, content: dict, txn_id: str, event_type: str = "m.room.message") -> dict:
-        return await self.request("PUT", f"/rooms/{quote(room_id)}/send/{quote(event_type)}/{quote(txn_id)}", content)
+        return await self.request("PUT", f"/rooms/{_quote(room_id)}/send/{_quote(event_type)}/{_quote(txn_id)}", content)
 
     async def typing(self, room_id: str, typing: bool = True) -> None:
-        await self.request("PUT", f"/rooms/{quote(room_id)}/typing", {"typing": typing})
+        await self.request("PUT", f"/rooms/{_quote(room_id)}/typing", {"typing": typing})
 
     async def members(self, room_id: str) -> dict:
-        return await self.request("GET", f"/rooms/{quote(room_id)}/members")
+        return await self.request("GET", f"/rooms/{_quote(room_id)}/members")
 
     async def sync(self, since: str | None = None, timeout_ms: int = 0, limit: int | None = None,
                    device_id: str | None = None) -> dict:
@@ -178,7 +201,7 @@ class Client:
             params["limit"] = limit
         if device_id is not None:
             params["device_id"] = device_id
-        return await self.request("GET", "/sync?" + urlencode(params), timeout=timeout_ms / 1000 + 60)
+        return await self.request("GET", "/sync?" + _query(params), timeout=timeout_ms / 1000 + 60)
 
 
 def new_pool() -> ClientPool:
