@@ -25,6 +25,7 @@ from typing import Any
 
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.python.failure import Failure
 
 from synflow.events.router import EventRouter
 from synflow.federation.gaps import GapFiller, SqlGapStore
@@ -64,6 +65,9 @@ class EventsFollower:
         self.processed: dict[str, int] = {}
         self.target: dict[str, int] = {}
         self._working: set[str] = set()
+        #: Writers whose new positions are read at the end of this reactor turn, and the call that reads them.
+        self._due: set[str] = set()
+        self._due_call: IDelayedCall | None = None
         self._saved: str | None = None
         self._timer: IDelayedCall | None = None
         self.pdus_fed = 0
@@ -99,6 +103,9 @@ class EventsFollower:
     def stop(self) -> Deferred[Any]:
         if self._timer is not None and self._timer.active():
             self._timer.cancel()
+        if self._due_call is not None and self._due_call.active():
+            self._due_call.cancel()
+        self._due_call = None
         return self._save()
 
     def events_position(self) -> StreamToken:
@@ -111,10 +118,29 @@ class EventsFollower:
         self.target[instance] = max(token, self.target.get(instance, 0))
         self.processed.setdefault(instance, 0)
         if instance not in self._working and self.processed[instance] < self.target[instance]:
-            self._working.add(instance)
-            d = Deferred.fromCoroutine(self._work(instance))
-            d.addErrback(lambda f: logger.error("federation follower for %s failed: %s", instance, f.getTraceback()))
-            d.addBoth(lambda _: self._working.discard(instance))
+            # Read at the end of this reactor turn, not now: the rest of what arrived with this position (the
+            # other events of the writer's transaction, each announced with its own ID, and the other writers'
+            # rows of the same read) is applied first, so one read covers them all rather than one each.
+            self._due.add(instance)
+            if self._due_call is None:
+                self._due_call = self.clock.callLater(0, self._read_due)
+
+    def _read_due(self) -> None:
+        self._due_call = None
+        due, self._due = self._due, set()
+        for instance in sorted(due):
+            if instance not in self._working and self.processed[instance] < self.target[instance]:
+                self._working.add(instance)
+                d = Deferred.fromCoroutine(self._work(instance))
+                d.addErrback(self._failed, instance)
+                d.addBoth(self._done, instance)
+
+    @staticmethod
+    def _failed(failure: Failure, instance: str) -> None:
+        logger.error("federation follower for %s failed: %s", instance, failure.getTraceback())
+
+    def _done(self, _: object, instance: str) -> None:
+        self._working.discard(instance)
 
     async def _work(self, instance: str) -> None:
         assert self.sender is not None

@@ -73,7 +73,7 @@ class Homeserver(WorkerType):
     shards: ShardFollower
     #: Destinations over federation senders (None when ``federation_sender_instances`` is empty).
     sender_shards: ShardFollower | None
-    sync: SyncHandler
+    sync: SyncHandler | None
     client_api: ClientApi | None = None
     federation_inbound: Any = None
     missing_events: MissingEventsResource | None = None
@@ -122,13 +122,15 @@ class Homeserver(WorkerType):
             ctx.add_drain(self.persister.drain)
         self.router = EventRouter(me, event_writers, self.persister, ctx.rpc_client, ctx.clock,
                                   follower=self.shards, max_wait_s=config.limits.reshard_max_wait_s)
-        self.sync = SyncHandler(self.store, ctx.handler, ctx.instances, ctx.clock, ctx.audit)
+        # Sync is the client API's: a process without it (a persister, a sender) does not follow rows for it.
+        self.sync = (SyncHandler(self.store, ctx.handler, ctx.instances, ctx.clock, ctx.audit)
+                     if serving(config, "client") is not None else None)
         if serving(config, "federation") is not None or self.signs_federation:
             self.signing_key = load_or_create_signing_key(config.signing_key_file)
         if serving(config, "federation") is not None:
             self.setup_federation_inbound(ctx)
         await self.build_role(ctx)
-        if serving(config, "client") is not None:
+        if self.sync is not None:
             self.client_api = ClientApi(config.server_name, self.store, self.sync, self.router.persist,
                                         self.event_position, ctx.clock, config.limits, queue_edus=self.queue_edus)
             ctx.listen("client", CLIENT_PREFIX, self.client_api)
@@ -225,7 +227,7 @@ class Homeserver(WorkerType):
 
     async def event_position(self, result: PersistResult) -> StreamToken:
         """A sync token just before a persisted event (a sync from it returns the event)."""
-        assert result.stream_ordering is not None
+        assert result.stream_ordering is not None and self.sync is not None
         now, _ = await self.sync.current_token()
         ids = await self.ctx.instances.ids_for([result.instance_name])
         before = result.stream_ordering - 1

@@ -101,6 +101,7 @@ class SenderProcess:
         """Start the sender and the follower; let the queues of ``settle`` finish their start-up catch-up."""
         await self.sender.start()
         await self.follower.start(self.sender)
+        self.clock.advance(0)  # the end of the reactor turn: the follower reads what it was told of
         for destination in settle:
             self.sender.wake_destination(destination)
             queue = self.sender.queue(destination)
@@ -114,6 +115,7 @@ class SenderProcess:
         """The events stream says ``writer`` reached ``new`` (as its POSITION command would)."""
         self.handler.on_command(self.conn, PositionCommand("events", writer, self.handler.position("events", writer),
                                                            new))
+        self.clock.advance(0)  # the end of the reactor turn: the follower reads up to it
 
     def events_to(self, destination: str) -> list[str]:
         return self.transport.events_to(destination)
@@ -168,6 +170,41 @@ class WorkerTestsMixin:
         self.assertEqual(set(p.sender.queues), set(owned))
         self.assertEqual([s for s in p.transport.sent if s.destination not in owned], [])
         self.assertEqual(p.transport.max_in_flight[owned[0]], 1)
+        await p.stop()
+
+    async def test_positions_of_one_turn_are_read_together(self) -> None:
+        """Positions that arrive in one reactor turn (a writer's events, each announced with its own ID, and
+        another writer's) are read once per writer at the turn's end: nothing is read before it, and every
+        event is sent, in order."""
+        db = await self._db()
+        owned, _ = owned_and_foreign(1)
+        room = "!r:local.test"
+        await persist(db, P1, list(enumerate([*create_room(room, ALICE),
+                                              member(room, f"@u:{owned[0]}", "invite", sender=ALICE)], start=1)))
+        p = SenderProcess(db, {P1: 99, P2: 199}, instances=SENDERS)
+        await p.start(settle=owned)
+        p.transport.sent.clear()
+        reads: list[tuple[str, int, int]] = []
+        read = p.store.local_events_between
+
+        def counted(instance: str, after: int, upto: int, *args: Any, **kwargs: Any) -> Any:
+            reads.append((instance, after, upto))
+            return read(instance, after, upto, *args, **kwargs)
+
+        p.store.local_events_between = counted  # type: ignore[method-assign]
+        await persist(db, P1, [(201, message(room, ALICE, "a1")), (203, message(room, ALICE, "a2")),
+                               (205, message(room, ALICE, "a3"))])
+        await persist(db, P2, [(202, message(room, ALICE, "b1"))])
+        for writer, position in ((P1, 201), (P1, 203), (P2, 202), (P1, 205)):  # one turn: the clock stands still
+            p.handler.on_command(p.conn, PositionCommand("events", writer, p.handler.position("events", writer),
+                                                         position))
+        self.assertEqual(reads, [])
+        p.clock.advance(0)
+        self.assertEqual(sorted(reads), [(P1, 99, 205), (P2, 199, 202)])
+        expected = [f"$so{i}:{SERVER}" for i in (201, 203, 205)]
+        await until(lambda: sorted(p.events_to(owned[0])) == sorted([*expected, f"$so202:{SERVER}"]),
+                    "every event to reach the destination", show=lambda: p.events_to(owned[0]))
+        self.assertEqual([e for e in p.events_to(owned[0]) if e != f"$so202:{SERVER}"], expected)
         await p.stop()
 
     async def test_destinations_are_the_servers_in_the_room_at_each_event(self) -> None:
