@@ -7,7 +7,10 @@ from typing import Any
 from unittest.mock import patch
 
 from twisted.internet.address import IPv4Address
+from twisted.internet.error import ConnectionDone
+from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
+from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.http import datetimeToString
 from twisted.web.resource import Resource
@@ -160,10 +163,12 @@ def _serve(requests: bytes, *, whole: bool = True) -> tuple[bytes, _Transport]:
     """What a :class:`JsonSite` channel writes back for ``requests`` (the head writer on or off)."""
     site = build_site({"/x": _Routes()}, max_body_bytes=1024)
     channel = site.buildProtocol(None)
+    channel.callLater = Clock().callLater  # its idle timeout: not on the global reactor
     transport = _Transport()
     with patch.object(LimitedRequest, "whole_response_ok", lambda self: whole and LIMITED_WHOLE_OK(self)):
         channel.makeConnection(transport)
         channel.dataReceived(requests)
+    channel.connectionLost(Failure(ConnectionDone()))
     return transport.value(), transport
 
 
