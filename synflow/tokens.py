@@ -202,10 +202,18 @@ class StreamToken:
         floor = other.minimum
         if self.minimum > floor:
             return False
+        theirs = other.positions
+        if self.positions == theirs:
+            return True  # the common case in sync: the same writers' positions
         # A writer listed only there is here at the minimum, at most ``floor`` and so at most its
-        # position there: only the writers listed here need comparing.
-        theirs = dict(other.positions)
-        return all(p <= theirs.get(i, floor) for i, p in self.positions)
+        # position there: only the writers listed here need comparing. Both lists ascend by ID.
+        j, n = 0, len(theirs)
+        for i, p in self.positions:
+            while j < n and theirs[j][0] < i:
+                j += 1
+            if p > (theirs[j][1] if j < n and theirs[j][0] == i else floor):
+                return False
+        return True
 
     def __le__(self, other: object) -> bool:
         if not isinstance(other, StreamToken):

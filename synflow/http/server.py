@@ -431,10 +431,23 @@ class JsonResource(Resource):
         self.prefix = prefix.rstrip("/")
         self.max_depth = max_depth
         self._routes: list[tuple[bytes, re.Pattern[str], Handler]] = []
+        #: The routes that may match a path, by the path's first segment (in the order they were added); a
+        #: first segment not listed may only match the routes whose pattern does not start with a literal one.
+        self._by_first: dict[str, list[tuple[bytes, re.Pattern[str], Handler]]] = {}
+        self._unindexed: list[tuple[bytes, re.Pattern[str], Handler]] = []
 
     def route(self, method: str, pattern: str, handler: Handler) -> None:
         """Send ``method`` requests whose path (after the prefix) fully matches ``pattern``."""
-        self._routes.append((method.encode(), re.compile(pattern + r"\Z"), handler))
+        entry = (method.encode(), re.compile(pattern + r"\Z"), handler)
+        self._routes.append(entry)
+        first = _literal_first_segment(pattern)
+        if first is None:
+            # It may match any first segment: every list gets it, in order.
+            self._unindexed.append(entry)
+            for routes in self._by_first.values():
+                routes.append(entry)
+        else:
+            self._by_first.setdefault(first, list(self._unindexed)).append(entry)
 
     def render(self, request: Request) -> Any:
         d = Deferred.fromCoroutine(self._dispatch(request))
@@ -465,7 +478,7 @@ class JsonResource(Resource):
                 _unquote(seg).replace("/", "%2F") for seg in path[len(self.prefix):].split("/")
             )
             allowed = False
-            for method, pattern, handler in self._routes:
+            for method, pattern, handler in self._candidates(sub):
                 match = pattern.match(sub)
                 if match is None:
                     continue
@@ -491,6 +504,12 @@ class JsonResource(Resource):
             respond_json(request, e.code, e.to_json())
             _request_seconds(route, e.code).observe(time.perf_counter() - started)
 
+    def _candidates(self, sub: str) -> list[tuple[bytes, re.Pattern[str], Handler]]:
+        """The routes that may match the path ``sub`` (after the prefix), in the order they were added."""
+        if not sub.startswith("/"):
+            return self._routes
+        return self._by_first.get(sub.split("/", 2)[1], self._unindexed)
+
     def body(self, request: Request, *, want_object: bool = True) -> Any:
         """The request's JSON body, strictly parsed (an empty body is ``{}``)."""
         assert request.content is not None
@@ -508,6 +527,18 @@ _request_seconds_series = series(REQUEST_SECONDS)
 
 def _request_seconds(route: str, code: int) -> Any:
     return _request_seconds_series(route, str(code))
+
+
+#: A path segment a pattern names literally: nothing in it a regular expression reads otherwise.
+_LITERAL_SEGMENT = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _literal_first_segment(pattern: str) -> str | None:
+    """The first path segment every path ``pattern`` matches has, when the pattern spells it out, else None."""
+    if not pattern.startswith("/"):
+        return None
+    segment = pattern[1:].split("/", 1)[0]
+    return segment if _LITERAL_SEGMENT.fullmatch(segment) else None
 
 
 def _unquote(value: str) -> str:

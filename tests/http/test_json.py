@@ -17,6 +17,7 @@ from twisted.web.test.requesthelper import DummyChannel, DummyRequest
 from synflow.errors import HttpApiError
 from synflow.http.server import (
     EncodedJson,
+    JsonResource,
     JsonSite,
     LimitedRequest,
     encode_json,
@@ -127,3 +128,35 @@ class SyncEventJsonTest(SynchronousTestCase):
         self.assertEqual(request.responseHeaders.getRawHeaders(b"Content-Length"), [str(len(text)).encode()])
         self.assertEqual(request.responseCode, 200)
         self.assertEqual(request.finished, 1)
+
+
+async def _handler(request: Any, **kwargs: Any) -> tuple[int, Any]:
+    return 200, {}
+
+
+#: Patterns as routes are written: literal first segments (shared by several routes), a pattern starting with a
+#: group, one whose first segment is a regular expression, and the empty path.
+ROUTE_PATTERNS = [r"/sync", r"/rooms", r"/rooms/(?P<room_id>[^/]+)/join", r"/(?P<any>[^/]+)/state",
+                  r"/rooms/(?P<room_id>[^/]+)/send/(?P<t>[^/]+)", r"/sy.c", r"/v[12]/x", r"", r"/send/(?P<txn>[^/]*)",
+                  r"/rooms/x"]
+SEGMENTS = st.sampled_from(["sync", "rooms", "syncx", "synk", "v1", "v2", "x", "join", "state", "send", "", "!r:hs",
+                            "s.nc"])
+
+
+class RouteIndexTest(SynchronousTestCase):
+    @given(order=st.permutations(ROUTE_PATTERNS), methods=st.lists(st.sampled_from(["GET", "PUT", "POST"]),
+                                                                    min_size=len(ROUTE_PATTERNS),
+                                                                    max_size=len(ROUTE_PATTERNS)),
+           paths=st.lists(st.lists(SEGMENTS, max_size=5).map(lambda segs: "".join("/" + s for s in segs)),
+                          min_size=1, max_size=20))
+    def test_candidates_match_what_every_route_matches(self, order: list[str], methods: list[str],
+                                                       paths: list[str]) -> None:
+        """For any path, the routes looked at (by its first segment) match exactly as every route would, in the
+        order the routes were added: the same handler answers and the same methods are allowed."""
+        resource = JsonResource("/p")
+        for pattern, method in zip(order, methods):
+            resource.route(method, pattern, _handler)
+        for path in paths:
+            everything = [(m, p.pattern) for m, p, _ in resource._routes if p.match(path)]
+            looked_at = [(m, p.pattern) for m, p, _ in resource._candidates(path) if p.match(path)]
+            self.assertEqual(looked_at, everything, path)
