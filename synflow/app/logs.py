@@ -37,7 +37,7 @@ import signal
 import sys
 import threading
 import time
-from typing import IO, Any, cast
+from typing import IO, Any
 
 from twisted.application.service import IService, MultiService
 from twisted.logger import (
@@ -191,6 +191,7 @@ class HeldLines:
         return self._reactor
 
 
+@implementer(ILogObserver)
 class _TextObserver:
     """Writes each event as twistd's classic text line through :class:`HeldLines`."""
 
@@ -213,9 +214,10 @@ class _TextObserver:
 
 def text_observer(out: IO[str] | LogFile | HeldLines) -> ILogObserver:
     """twistd's classic text lines (``TIME [namespace#level] message``), as ``textFileLogObserver`` writes them."""
-    return cast(ILogObserver, _TextObserver(out if isinstance(out, HeldLines) else HeldLines(out)))
+    return _TextObserver(out if isinstance(out, HeldLines) else HeldLines(out))
 
 
+@implementer(ILogObserver)
 class LevelFilter:
     """Passes an event on when its level is at least its namespace's (``LogLevelFilterPredicate``'s rule).
 
@@ -291,7 +293,7 @@ def make_observer(config: SynflowConfig, logfile: str | None, nodaemon: bool) ->
     for name, level in config.logging.levels.items():
         predicate.setLogLevelForNamespace(name, _TWISTED_LEVELS[level.upper()])
         logging.getLogger(name).setLevel(level.upper())
-    return cast(ILogObserver, LevelFilter(base, predicate))
+    return LevelFilter(base, predicate)
 
 
 class _LogRoot(MultiService):
