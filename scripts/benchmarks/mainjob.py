@@ -147,8 +147,8 @@ def run(quick: bool, progress: Progress) -> dict[str, Any]:
             reactor.run(installSignalHandlers=False)
             if "error" in result:
                 raise RuntimeError(result["error"].getTraceback())
+            samples.stop()  # the traffic's CPU: not the check of what was delivered, next
             report = result["workload"].verify()
-            samples.stop()
             setup_cpu = sum(samples.rows[0][2][name] - cpu_before[name] for name in pids)
             cpu = samples.spent()
             driver_cpu = cpu.pop("driver")
