@@ -391,3 +391,19 @@ class LevelFilterTest(SynchronousTestCase):
             observer({"log_namespace": f"ns{n}", "log_level": LogLevel.info})
             self.assertLessEqual(len(observer._levels), 8)
         self.assertEqual(len(passed), 50)
+
+
+class HeldLinesAtExitTest(SynchronousTestCase):
+    def test_exit_with_the_file_closed_is_quiet(self):
+        """Lines still held when the interpreter exits are written; a file already closed by then is left be."""
+        from twisted.python import threadable
+
+        self.patch(threadable, "ioThread", threading.get_ident())
+        out = _Out()
+        lines = logs.HeldLines(out, _Reactor())
+        lines.write("held\n", LogLevel.info)
+        lines._flush_at_exit()
+        self.assertEqual(out.getvalue(), "held\n")
+        lines.write("held again\n", LogLevel.info)
+        out.close()
+        lines._flush_at_exit()  # no exception

@@ -172,6 +172,12 @@ class HeldLines:
             if held:
                 self._write(held)
 
+    def _flush_at_exit(self) -> None:
+        try:
+            self.flush()
+        except (OSError, ValueError):  # the file is gone or closed by now: nothing left to write to
+            pass
+
     def _write(self, lines: list[str]) -> None:
         self._out.write("".join(lines))
         self._out.flush()
@@ -187,7 +193,7 @@ class HeldLines:
             self._reactor = reactor
             # Lines held when the reactor stops are written as it shuts down, or at exit at the latest.
             reactor.addSystemEventTrigger("after", "shutdown", self.flush)
-            atexit.register(self.flush)
+            atexit.register(self._flush_at_exit)
         return self._reactor
 
 
