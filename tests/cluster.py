@@ -75,9 +75,10 @@ def poll_until(predicate: Callable[[], Any], timeout: float, what: str, interval
 
 
 @inlineCallbacks
-def single_master(testcase: Any, extra_yaml: str = "", server_name: str = "api.test"):
-    """An in-process master on SQLite that persists its own events, with a client
-    (and federation) listener on a free port; returns ``(service, base_url)``."""
+def single_master(testcase: Any, extra_yaml: str = "", server_name: str = "api.test",
+                  resources: tuple[str, ...] = ("client", "federation")):
+    """An in-process master on SQLite that persists its own events, with one listener on a free port serving
+    ``resources`` (the client API and federation); returns ``(service, base_url)`` (the URL of that listener)."""
     from synflow.app.build import build_service
     from synflow.config import load_config
 
@@ -90,13 +91,13 @@ def single_master(testcase: Any, extra_yaml: str = "", server_name: str = "api.t
             f"data_dir: {base}/var\naudit: {{dir: {base}/var/audit}}\n"
             "instance_map: {master: {host: 127.0.0.1, port: 0}}\nstream_writers: {events: [master]}\n"
             "replication: {hub: {host: 127.0.0.1, port: 0}}\n"
-            "listeners: [{resources: [client, federation], endpoint: 'tcp:0:interface=127.0.0.1'}]\n" + extra_yaml
+            f"listeners: [{{resources: [{', '.join(resources)}], endpoint: 'tcp:0:interface=127.0.0.1'}}]\n" + extra_yaml
         )
     master = build_service(load_config([path]), reactor, exit_on_failure=False)
     master.startService()
     testcase.addCleanup(master.stopService)
     yield master.ready
-    listener = master.listeners["client"]
+    listener = master.listeners[resources[0]]
     yield listener.when_listening()
     return master, f"http://127.0.0.1:{listener.bound_port}"
 

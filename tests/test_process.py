@@ -358,24 +358,6 @@ class SyncFollowsRowsOnlyWithClientApiTest(TestCase):
     """Sync is the client API's: only a process serving it keeps a sync handler following the events stream."""
 
     @inlineCallbacks
-    def _start(self, resources: str) -> Any:
-        base = os.path.abspath(self.mktemp())
-        os.makedirs(base)
-        path = os.path.join(base, "master.yaml")
-        with open(path, "w") as f:
-            f.write(
-                f"server_name: api.test\napp: master\ninstance_name: master\ndata_dir: {base}/var\n"
-                "instance_map: {master: {host: 127.0.0.1, port: 0}}\nstream_writers: {events: [master]}\n"
-                "replication: {hub: {host: 127.0.0.1, port: 0}}\n"
-                f"listeners: [{{resources: [{resources}], endpoint: 'tcp:0:interface=127.0.0.1'}}]\n"
-            )
-        service = build_service(load_config([path]), reactor, exit_on_failure=False)
-        service.startService()
-        self.addCleanup(service.stopService)
-        yield service.ready
-        return service
-
-    @inlineCallbacks
     def test_without_the_client_api_no_sync_handler(self) -> None:
         from synflow.events.sync import SyncHandler
 
@@ -384,9 +366,9 @@ class SyncFollowsRowsOnlyWithClientApiTest(TestCase):
             return [fn for fn in view.row_handlers + view.position_listeners
                     if isinstance(getattr(fn, "__self__", None), SyncHandler)]
 
-        federation_only = yield self._start("federation")
+        federation_only, _ = yield single_master(self, resources=("federation",))
         self.assertIsNone(federation_only.worker.sync)
         self.assertEqual(sync_listeners(federation_only), [])
-        with_client = yield self._start("client, federation")
+        with_client, _ = yield single_master(self)
         self.assertIsInstance(with_client.worker.sync, SyncHandler)
         self.assertEqual(len(sync_listeners(with_client)), 2)  # its rows and its positions

@@ -423,6 +423,9 @@ class _WindowStore:
     def __init__(self) -> None:
         self.events: list[SyncEvent] = []
         self.reads: list[list[str] | None] = []
+        #: When a list: every read for every room (the one that extends the kept events) waits for a gate appended
+        #: here, and is answered once the test fires it (or fails as the test fails it).
+        self.held: list[Deferred[None]] | None = None
 
     def window(self, rooms: Any, since: dict[str, int], since_default: int, upto: dict[str, int],
                upto_default: int, limit: int) -> list[SyncEvent]:
@@ -433,6 +436,10 @@ class _WindowStore:
 
     def get_events_in_window(self, rooms: Any, *args: Any) -> Deferred[list[SyncEvent]]:
         self.reads.append(rooms)
+        if rooms is None and self.held is not None:
+            gate: Deferred[None] = Deferred()
+            self.held.append(gate)
+            return gate.addCallback(lambda _: self.window(rooms, *args))
         return succeed(self.window(rooms, *args))
 
 
@@ -554,17 +561,7 @@ class RecentEventsTest(TestCase):
         back meanwhile), is not added to them: they stay every event after their new start."""
         store = _WindowStore()
         held: list[Deferred[None]] = []
-        window_of = store.window
-
-        def get_events_in_window(rooms: Any, *args: Any) -> Deferred[list[SyncEvent]]:
-            store.reads.append(rooms)
-            if rooms is not None:
-                return succeed(window_of(rooms, *args))
-            gate: Deferred[None] = Deferred()
-            held.append(gate)
-            return gate.addCallback(lambda _: window_of(rooms, *args))
-
-        store.get_events_in_window = get_events_in_window  # type: ignore[method-assign]
+        store.held = held
         sync = SyncHandler(store, _Handler(), _Instances(), Clock())  # type: ignore[arg-type]
         store.events = [SyncEvent(n, "w1" if n % 2 else "w2", f"$e{n}:t", "!a:t", "m.room.message", None, "@s:t",
                                   "{}", 0) for n in range(1, 9)]
@@ -592,17 +589,7 @@ class RecentEventsTest(TestCase):
         that read makes the read itself and gets its window."""
         store = _WindowStore()
         held: list[Deferred[None]] = []
-        window_of = store.window
-
-        def get_events_in_window(rooms: Any, *args: Any) -> Deferred[list[SyncEvent]]:
-            store.reads.append(rooms)
-            if rooms is not None:
-                return succeed(window_of(rooms, *args))
-            gate: Deferred[None] = Deferred()
-            held.append(gate)
-            return gate.addCallback(lambda _: window_of(rooms, *args))
-
-        store.get_events_in_window = get_events_in_window  # type: ignore[method-assign]
+        store.held = held
         sync = SyncHandler(store, _Handler(), _Instances(), Clock())  # type: ignore[arg-type]
         store.events = [SyncEvent(n, "w1", f"$e{n}:t", "!a:t", "m.room.message", None, "@s:t", "{}", 0)
                         for n in range(1, 5)]
