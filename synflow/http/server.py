@@ -305,6 +305,10 @@ def _finite(text: str) -> float:
     return value
 
 
+#: What ``json.loads(text, parse_constant=..., parse_float=...)`` builds on every call, built once.
+_body_decoder = json.JSONDecoder(parse_constant=_no_constants, parse_float=_finite)
+
+
 def _depth(value: Any, limit: int) -> int:
     stack = [(value, 1)]
     deepest = 0
@@ -336,7 +340,9 @@ def parse_json_body(raw: bytes, *, max_depth: int = DEFAULT_MAX_DEPTH, want_obje
     if brackets > max_depth and _bracket_depth(text) > max_depth:
         raise HttpApiError(400, "M_BAD_JSON", f"JSON nested deeper than {max_depth} levels")
     try:
-        value = json.loads(text, parse_constant=_no_constants, parse_float=_finite)
+        if text.startswith("\ufeff"):  # as json.loads refuses it
+            raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
+        value = _body_decoder.decode(text)
     except (ValueError, RecursionError) as e:
         raise HttpApiError(400, "M_NOT_JSON", f"request body is not valid JSON: {e}") from None
     # Each level but the innermost needs a bracket of its own: with fewer
@@ -472,11 +478,7 @@ class JsonResource(Resource):
                 raise HttpApiError(400, "M_UNRECOGNIZED", "request path is not UTF-8") from None
             if not path.startswith(self.prefix):
                 raise HttpApiError(404, "M_UNRECOGNIZED", "unrecognized request")
-            # Match on decoded segments ("%21room%3Ahs" is "!room:hs"); a "/"
-            # inside a segment stays encoded so it cannot split a segment.
-            sub = "/".join(
-                _unquote(seg).replace("/", "%2F") for seg in path[len(self.prefix):].split("/")
-            )
+            sub = _decoded_path(path[len(self.prefix):])
             allowed = False
             for method, pattern, handler in self._candidates(sub):
                 match = pattern.match(sub)
@@ -541,13 +543,25 @@ def _literal_first_segment(pattern: str) -> str | None:
     return segment if _LITERAL_SEGMENT.fullmatch(segment) else None
 
 
-def _unquote(value: str) -> str:
-    if "%" not in value:
-        return value  # nothing to decode (most segments): skip urllib's work
+def _decoded_path(path: str) -> str:
+    """``path`` with its segments percent-decoded ("%21room%3Ahs" is "!room:hs"), for matching routes.
+
+    A "/" encoded inside a segment (``%2F`` or ``%2f``) stays ``%2F``, so it
+    cannot split a segment: the whole path is decoded at once, with each
+    encoded slash first written as an encoded "%2F".
+
+    Raises:
+        HttpApiError: 400, the decoded path is not UTF-8.
+    """
+    if "%" not in path:
+        return path  # nothing to decode (most paths): skip urllib's work
     try:
-        return unquote(value, errors="strict")
+        return unquote(_ENCODED_SLASH.sub("%252F", path), errors="strict")
     except UnicodeDecodeError:
         raise HttpApiError(400, "M_UNRECOGNIZED", "request path is not UTF-8") from None
+
+
+_ENCODED_SLASH = re.compile("%2F", re.IGNORECASE)
 
 
 def query_arg(request: Request, name: str) -> str | None:

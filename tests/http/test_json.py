@@ -67,6 +67,37 @@ class BodyDepthTest(SynchronousTestCase):
             self.assertEqual(parse_json_body(raw, max_depth=limit, want_object=False), value)
 
 
+def _no_constants(name: str) -> Any:
+    raise ValueError(name)
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(text)
+    return value
+
+
+class BodyDecodeTest(SynchronousTestCase):
+    @given(st.one_of(JSON_VALUES.map(json.dumps), st.text(alphabet='{}[]",:0123456789.eE-+ \ufeffaNInfity\\u',
+                                                          max_size=30)))
+    def test_a_body_decodes_as_json_loads_with_its_hooks(self, text: str) -> None:
+        """Any body gives the value ``json.loads`` with synflow's hooks (no NaN or Infinity, no number overflowing
+        to infinity) gives, and is refused where it raises -- a leading byte order mark included."""
+        try:
+            expected = json.loads(text, parse_constant=_no_constants, parse_float=_finite)
+        except (ValueError, RecursionError):
+            with self.assertRaises(HttpApiError):
+                parse_json_body(text.encode(), want_object=False)
+        else:
+            self.assertEqual(json.dumps(parse_json_body(text.encode(), want_object=False)), json.dumps(expected))
+
+    def test_a_byte_order_mark_is_refused(self) -> None:
+        with self.assertRaises(HttpApiError) as raised:
+            parse_json_body('\ufeff{"a":1}'.encode())
+        self.assertIn("BOM", raised.exception.msg)
+
+
 class NoFormParsingTest(SynchronousTestCase):
     def test_post_body_is_not_parsed_as_a_form(self) -> None:
         """A POST whose Content-Type names a form reaches the handler with its body unread: no form fields in

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 from unittest.mock import patch
+from urllib.parse import quote, unquote
 
+from hypothesis import given
+from hypothesis import strategies as st
 from twisted.internet.address import IPv4Address
 from twisted.internet.error import ConnectionDone
 from twisted.internet.task import Clock
@@ -124,6 +128,7 @@ class _Routes(JsonResource):
         self.route("HEAD", r"/ok", self.ok)
         self.route("GET", r"/limited", self.limited)
         self.route("GET", r"/empty", self.empty)
+        self.route("GET", r"/seg/(?P<name>[^/]+)/(?P<rest>[^/]+)", self.segments)
 
     async def ok(self, request: Any) -> tuple[int, Any]:
         return 200, {"events": ["é", 1], "next_batch": "s1"}
@@ -133,6 +138,9 @@ class _Routes(JsonResource):
 
     async def empty(self, request: Any) -> tuple[int, Any]:
         return 201, {}
+
+    async def segments(self, request: Any, name: str, rest: str) -> tuple[int, Any]:
+        return 200, {"name": name, "rest": rest}
 
 
 class _Transport(StringTransport):
@@ -223,3 +231,43 @@ class ChannelTest(SynchronousTestCase):
         _, transport = _serve(one * 4)
         self.assertEqual(transport.host_lookups, 1)
         self.assertIs(transport.no_delay, True)
+
+
+class PathSegmentTest(SynchronousTestCase):
+    """Routes match the path's percent-decoded segments; an encoded "/" stays inside its segment."""
+
+    def _get(self, path: bytes) -> tuple[bytes, Any]:
+        written, _ = _serve(b"GET " + path + b" HTTP/1.1\r\nHost: h\r\n\r\n")
+        head, _, body = written.partition(b"\r\n\r\n")
+        return head.split(b"\r\n", 1)[0], json.loads(body)
+
+    def test_segments_are_decoded(self) -> None:
+        self.assertEqual(self._get(b"/x/seg/%21room%3Ahs/m.text"),
+                         (b"HTTP/1.1 200 OK", {"name": "!room:hs", "rest": "m.text"}))
+        self.assertEqual(self._get(b"/x/seg/plain/words"), (b"HTTP/1.1 200 OK", {"name": "plain", "rest": "words"}))
+
+    def test_an_encoded_slash_does_not_split_a_segment(self) -> None:
+        """``%2F`` and ``%2f`` are a "/" inside the argument; the route has two segments, not three."""
+        self.assertEqual(self._get(b"/x/seg/a%2Fb/c%2fd"), (b"HTTP/1.1 200 OK", {"name": "a/b", "rest": "c/d"}))
+        status, body = self._get(b"/x/seg/a/b/c")
+        self.assertEqual((status, body["errcode"]), (b"HTTP/1.1 404 Not Found", "M_UNRECOGNIZED"))
+
+    def test_a_path_that_does_not_decode_to_utf8_is_refused(self) -> None:
+        status, body = self._get(b"/x/seg/%ff/x")
+        self.assertEqual((status, body["errcode"]), (b"HTTP/1.1 400 Bad Request", "M_UNRECOGNIZED"))
+
+    @given(st.lists(st.text(alphabet="/%2Ffa:!b3é", max_size=12).map(lambda t: quote(t, safe="/%:!")) |
+                    st.text(alphabet="/%2Ff5Caz", max_size=12), max_size=6).map("/".join))
+    def test_decoding_is_each_segments_own(self, path: str) -> None:
+        """For any path, the whole-path decoding is each segment decoded with its "/" written ``%2F``, and the
+        same paths are refused."""
+        def by_segment() -> str:
+            return "/".join(unquote(seg, errors="strict").replace("/", "%2F") for seg in path.split("/"))
+
+        try:
+            expected = by_segment()
+        except UnicodeDecodeError:
+            with self.assertRaises(HttpApiError):
+                server._decoded_path(path)
+        else:
+            self.assertEqual(server._decoded_path(path), expected)
