@@ -45,6 +45,10 @@ MAX_RPC_BATCH = 500
 #: meanwhile wait and go in the next call, so under load a call carries every
 #: send that arrived while the previous one ran.
 MAX_RPC_IN_FLIGHT = 2
+#: Sends waiting for one persister that start a call beside one already in flight: fewer wait for it to
+#: return. A call's HTTP round trip costs both processes about what persisting several events does, so
+#: a few sends are cheaper in the next call; a backlog this large is worth the second call's overlap.
+MIN_EXTRA_CALL_BATCH = 8
 #: Times one send is re-routed at most (each after the shard map changed or was re-read).
 MAX_REROUTES = 8
 #: The refusals that mean "send it elsewhere", not "it is refused".
@@ -57,15 +61,20 @@ class EventRouter:
     Calls to one remote persister made in the same reactor turn share one
     ``persist_events`` RPC (up to :data:`MAX_RPC_BATCH` events), and at most
     :data:`MAX_RPC_IN_FLIGHT` such RPCs run at once per persister: sends made
-    while they run go together in the next. Under load, HTTP costs are paid
-    per batch rather than per event; when idle, a send goes at once.
+    while they run go together in the next. A call beside one already in
+    flight starts only for at least :data:`MIN_EXTRA_CALL_BATCH` waiting
+    sends. Under load, HTTP costs are paid per batch rather than per event;
+    when idle, a send goes at once.
     """
 
     def __init__(self, instance_name: str, event_writers: Sequence[str], persister: EventPersister | None,
                  rpc: RpcClient | None, clock: Any = None, follower: ShardFollower | None = None,
-                 max_wait_s: float = DEFAULT_MAX_WAIT_S, max_rpc_in_flight: int = MAX_RPC_IN_FLIGHT) -> None:
+                 max_wait_s: float = DEFAULT_MAX_WAIT_S, max_rpc_in_flight: int = MAX_RPC_IN_FLIGHT,
+                 min_extra_call_batch: int = MIN_EXTRA_CALL_BATCH) -> None:
         if max_rpc_in_flight < 1:
             raise ValueError(f"max_rpc_in_flight must be at least 1, got {max_rpc_in_flight}")
+        if min_extra_call_batch < 1:
+            raise ValueError(f"min_extra_call_batch must be at least 1, got {min_extra_call_batch}")
         self.instance_name = instance_name
         self.event_writers = list(event_writers)
         self.persister = persister
@@ -76,6 +85,7 @@ class EventRouter:
         self._outbox: dict[str, list[tuple[EventSpec, Deferred[PersistResult]]]] = {}
         self._flush_scheduled: set[str] = set()
         self.max_rpc_in_flight = max_rpc_in_flight
+        self.min_extra_call_batch = min_extra_call_batch
         #: persist_events calls running, per persister.
         self._in_flight: dict[str, int] = {}
         #: Sends re-routed after a persister refused them for a stale map, and sends held during hand-overs.
@@ -168,8 +178,9 @@ class EventRouter:
 
     def _queue(self, owner: str, spec: EventSpec) -> Deferred[PersistResult]:
         d: Deferred[PersistResult] = Deferred()
-        self._outbox.setdefault(owner, []).append((spec, d))
-        if owner not in self._flush_scheduled and self._in_flight.get(owner, 0) < self.max_rpc_in_flight:
+        pending = self._outbox.setdefault(owner, [])
+        pending.append((spec, d))
+        if owner not in self._flush_scheduled and self._may_call(owner, len(pending)):
             self._flush_scheduled.add(owner)
             if self.clock is None:
                 self._flush(owner)
@@ -180,12 +191,17 @@ class EventRouter:
     def _flush(self, owner: str) -> None:
         self._flush_scheduled.discard(owner)
         pending = self._outbox.get(owner)
-        while pending and self._in_flight.get(owner, 0) < self.max_rpc_in_flight:
+        while pending and self._may_call(owner, len(pending)):
             chunk, pending[:] = pending[:MAX_RPC_BATCH], pending[MAX_RPC_BATCH:]
             self._in_flight[owner] = self._in_flight.get(owner, 0) + 1
             Deferred.fromCoroutine(self._call(owner, chunk))
         if not pending:
             self._outbox.pop(owner, None)
+
+    def _may_call(self, owner: str, waiting: int) -> bool:
+        """Whether ``waiting`` sends for ``owner`` may start a call now."""
+        in_flight = self._in_flight.get(owner, 0)
+        return in_flight == 0 or (in_flight < self.max_rpc_in_flight and waiting >= self.min_extra_call_batch)
 
     async def _call(self, owner: str, chunk: list[tuple[EventSpec, Deferred[PersistResult]]]) -> None:
         try:

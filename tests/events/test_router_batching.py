@@ -10,7 +10,12 @@ from twisted.trial.unittest import TestCase
 
 from synflow.errors import HttpApiError
 from synflow.events.persist import EventSpec
-from synflow.events.router import MAX_RPC_BATCH, MAX_RPC_IN_FLIGHT, EventRouter
+from synflow.events.router import (
+    MAX_RPC_BATCH,
+    MAX_RPC_IN_FLIGHT,
+    MIN_EXTRA_CALL_BATCH,
+    EventRouter,
+)
 from synflow.sharding import shard_for
 
 SERVER = "router.test"
@@ -73,7 +78,7 @@ class RouterBatchingTest(TestCase):
 
     def test_sends_wait_while_the_cap_is_in_flight_then_go_together(self) -> None:
         """At the cap, later sends are held and go in one call as soon as a call in flight returns."""
-        router = self.router(max_rpc_in_flight=2)
+        router = self.router(max_rpc_in_flight=2, min_extra_call_batch=1)
         first = self.send(router, 0)
         self.clock.advance(0)
         second = self.send(router, 1)
@@ -121,19 +126,47 @@ class RouterBatchingTest(TestCase):
         self.clock.advance(0)
         self.assertEqual(self.rpc.sizes(), [MAX_RPC_BATCH, MAX_RPC_BATCH])
         self.rpc.answer(0)
-        self.assertEqual(self.rpc.sizes(), [MAX_RPC_BATCH, MAX_RPC_BATCH, 3])
+        self.assertEqual(self.rpc.sizes(), [MAX_RPC_BATCH, MAX_RPC_BATCH])  # 3: not worth a call beside one
         self.rpc.answer(1)
+        self.assertEqual(self.rpc.sizes(), [MAX_RPC_BATCH, MAX_RPC_BATCH, 3])
         self.rpc.answer(2)
         for d in sent:
             self.successResultOf(d)
 
     def test_default_cap(self) -> None:
-        """The default cap holds: MAX_RPC_IN_FLIGHT calls at once, the rest held."""
+        """The default cap holds: MAX_RPC_IN_FLIGHT calls at once, each beside the first for a batch of
+        MIN_EXTRA_CALL_BATCH sends or more, the rest held."""
         router = self.router()
-        for n in range(MAX_RPC_IN_FLIGHT + 1):
+        self.send(router, 0)
+        self.clock.advance(0)
+        for n in range(MAX_RPC_IN_FLIGHT * MIN_EXTRA_CALL_BATCH):
             self.send(router, n)
             self.clock.advance(0)
-        self.assertEqual(self.rpc.sizes(), [1] * MAX_RPC_IN_FLIGHT)
+        self.assertEqual(self.rpc.sizes(), [1] + [MIN_EXTRA_CALL_BATCH] * (MAX_RPC_IN_FLIGHT - 1))
+
+    def test_a_second_call_waits_for_a_batch_worth_it(self) -> None:
+        """Beside a call in flight, fewer sends than the minimum wait for it to return and then go together;
+        the minimum reached, they go in a call of their own at once."""
+        router = self.router(max_rpc_in_flight=2, min_extra_call_batch=3)
+        first = self.send(router, 0)
+        self.clock.advance(0)
+        waiting = [self.send(router, n) for n in (1, 2)]
+        self.clock.advance(0)
+        self.assertEqual(self.rpc.sizes(), [1])  # two are not worth a second call
+        self.rpc.answer(0)
+        self.successResultOf(first)
+        self.assertEqual(self.rpc.sizes(), [1, 2])  # the call returned: they go at once, together
+        more = [self.send(router, n) for n in (3, 4, 5)]
+        self.clock.advance(0)
+        self.assertEqual(self.rpc.sizes(), [1, 2, 3])  # three are: a second call beside the one in flight
+        self.rpc.answer(1)
+        self.rpc.answer(2)
+        for d in waiting + more:
+            self.successResultOf(d)
+
+    def test_minimum_below_one_refused(self) -> None:
+        with self.assertRaises(ValueError):
+            self.router(min_extra_call_batch=0)
 
     def test_cap_below_one_refused(self) -> None:
         with self.assertRaises(ValueError):
