@@ -568,7 +568,7 @@ class PositionCommand(_PositionFields):
         ) or cls is not PositionCommand:
             return _validated(cls, stream_name=stream_name, instance_name=instance_name,  # raises, naming the field
                               prev_token=prev_token, new_token=new_token)
-        return _position(stream_name, instance_name, prev_token, new_token)
+        return _position(stream_name, instance_name, prev_token, new_token, None)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.stream_name, self.instance_name, self.prev_token, self.new_token))
@@ -601,25 +601,17 @@ def _position_from_fields(stream: str, instance: str, prev: str, new: str, wire:
         new_token = _parse_int(new, "POSITION new_token")
         _parse_word(stream, "POSITION stream name")
         _parse_word(instance, "POSITION instance name")
-    # :func:`_position`, inlined, with the wire: once per line read (a call costs about as much as the stores).
-    fields = _new(_PositionFields)
-    fields.stream_name = stream
-    fields.instance_name = instance
-    fields.prev_token = prev_token
-    fields.new_token = new_token
-    fields.wire = wire
-    fields.__class__ = PositionCommand
-    return fields  # type: ignore[return-value]  # it is one now
+    return _position(stream, instance, prev_token, new_token, wire)
 
 
-def _position(stream: str, instance: str, prev_token: int, new_token: int) -> PositionCommand:
+def _position(stream: str, instance: str, prev_token: int, new_token: int, wire: bytes | None) -> PositionCommand:
     """A POSITION from fields already checked, filled in as its writable base (:mod:`synflow.slotted`)."""
     fields = _new(_PositionFields)
     fields.stream_name = stream
     fields.instance_name = instance
     fields.prev_token = prev_token
     fields.new_token = new_token
-    fields.wire = None
+    fields.wire = wire
     fields.__class__ = PositionCommand
     return fields  # type: ignore[return-value]  # it is one now
 
@@ -781,16 +773,8 @@ def _rdata_from_fields(stream: str, instance: str, token: str, row_json: str, de
         number = None
     else:
         number = _parse_int(token, "RDATA token")
-    # :func:`_rdata`, inlined: once per line read (a call costs about as much as the stores).
-    # A relay sends the bytes received on unchanged (wire).
-    fields = _new(_RdataFields)
-    fields.stream_name = stream
-    fields.instance_name = instance
-    fields.token = number
-    fields._row = _decode_row(row_json) if decode_rows else row_json
-    fields.wire = wire
-    fields.__class__ = RdataCommand
-    return fields  # type: ignore[return-value]  # it is one now
+    # a relay sends the bytes received on unchanged (wire)
+    return _rdata(stream, instance, number, _decode_row(row_json) if decode_rows else row_json, wire)
 
 
 def _rdata(stream: str, instance: str, token: int | None, row: list[Any] | str, wire: bytes | None) -> RdataCommand:
