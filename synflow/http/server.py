@@ -458,7 +458,6 @@ class JsonResource(Resource):
     def render(self, request: Request) -> Any:
         d = Deferred.fromCoroutine(self._dispatch(request))
         d.addErrback(self._unexpected, request)
-        request.notifyFinish().addErrback(lambda _: setattr(request, "_disconnected", True))
         return NOT_DONE_YET
 
     def _unexpected(self, failure: Any, request: Request) -> None:

@@ -11,6 +11,7 @@ from urllib.parse import quote, unquote
 from hypothesis import given
 from hypothesis import strategies as st
 from twisted.internet.address import IPv4Address
+from twisted.internet.defer import Deferred
 from twisted.internet.error import ConnectionDone
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
@@ -129,6 +130,9 @@ class _Routes(JsonResource):
         self.route("GET", r"/limited", self.limited)
         self.route("GET", r"/empty", self.empty)
         self.route("GET", r"/seg/(?P<name>[^/]+)/(?P<rest>[^/]+)", self.segments)
+        self.route("GET", r"/slow", self.slow)
+        #: The answers ``/x/slow`` is waiting to give.
+        self.pending: list[Deferred[None]] = []
 
     async def ok(self, request: Any) -> tuple[int, Any]:
         return 200, {"events": ["é", 1], "next_batch": "s1"}
@@ -141,6 +145,12 @@ class _Routes(JsonResource):
 
     async def segments(self, request: Any, name: str, rest: str) -> tuple[int, Any]:
         return 200, {"name": name, "rest": rest}
+
+    async def slow(self, request: Any) -> tuple[int, Any]:
+        d: Deferred[None] = Deferred()
+        self.pending.append(d)
+        await d
+        return 200, {"late": True}
 
 
 class _Transport(StringTransport):
@@ -231,6 +241,31 @@ class ChannelTest(SynchronousTestCase):
         _, transport = _serve(one * 4)
         self.assertEqual(transport.host_lookups, 1)
         self.assertIs(transport.no_delay, True)
+
+
+class GoneClientTest(SynchronousTestCase):
+    def test_an_answer_after_the_client_has_gone_is_dropped(self) -> None:
+        """A handler that answers after its client disconnected writes nothing and raises nothing; the site
+        serves the next connection."""
+        routes = _Routes()
+        site = build_site({"/x": routes}, max_body_bytes=1024)
+        channel = site.buildProtocol(None)
+        channel.callLater = Clock().callLater
+        transport = _Transport()
+        channel.makeConnection(transport)
+        channel.dataReceived(b"GET /x/slow HTTP/1.1\r\nHost: h\r\n\r\n")
+        self.assertEqual(len(routes.pending), 1)
+        channel.connectionLost(Failure(ConnectionDone()))
+        with self.assertNoLogs("synflow", level="WARNING"):
+            routes.pending[0].callback(None)
+        self.assertEqual(transport.value(), b"")
+        self.assertEqual(self.flushLoggedErrors(), [])
+        channel = site.buildProtocol(None)
+        channel.callLater = Clock().callLater
+        transport = _Transport()
+        channel.makeConnection(transport)
+        channel.dataReceived(b"GET /x/ok HTTP/1.1\r\nHost: h\r\n\r\n")
+        self.assertTrue(transport.value().startswith(b"HTTP/1.1 200 OK\r\n"))
 
 
 class PathSegmentTest(SynchronousTestCase):
