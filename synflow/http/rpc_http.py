@@ -37,6 +37,7 @@ from twisted.python.failure import Failure
 from twisted.web.client import ResponseFailed
 
 from synflow.http.server import no_delay
+from synflow.tcp_write import write_now
 
 #: The longest response head (status line and headers) accepted.
 MAX_HEAD_BYTES: Final = 16 * 1024
@@ -184,7 +185,7 @@ class RpcConnection(Protocol):
 
         d: Deferred[Response] = Deferred(cancel)
         self._waiting = d
-        self.transport.write(data)  # type: ignore[union-attr]
+        write_now(self.transport, data)
         return d
 
     def dataReceived(self, data: bytes) -> None:

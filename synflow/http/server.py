@@ -48,6 +48,7 @@ from synflow.errors import (
 from synflow.json_encoding import compact_encoder
 from synflow.logbridge import log_text
 from synflow.metrics import histogram, series
+from synflow.tcp_write import write_now
 
 logger = logging.getLogger(__name__)
 #: One line per request (``logging.levels: {synflow.access: WARNING}`` silences it).
@@ -180,7 +181,7 @@ class LimitedRequest(Request):
         head.append(data)
         self.startedWriting = 1
         self.sentLength = len(data)
-        cast(Any, self.channel.transport).write(b"".join(head))
+        write_now(self.channel.transport, b"".join(head))
 
     def gotLength(self, length: int | None) -> None:
         limit = _limit(self)

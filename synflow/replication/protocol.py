@@ -42,6 +42,7 @@ from synflow.replication.core import (
     State,
 )
 from synflow.replication.interfaces import CommandReceiver
+from synflow.tcp_write import write_now
 
 logger = logging.getLogger(__name__)
 
@@ -311,7 +312,7 @@ class ReplicationProtocol(LineOnlyReceiver):
         if write_batch.depth:
             self._gather(data)
         else:
-            self.transport.write(data + b"\n")
+            write_now(self.transport, data + b"\n")
 
     def _gather(self, data: bytes) -> None:
         if not self._lines:
@@ -327,7 +328,7 @@ class ReplicationProtocol(LineOnlyReceiver):
             lines, self._lines = self._lines, []
             self._lines_bytes = 0
             lines.append(b"")
-            self.transport.write(b"\n".join(lines))
+            write_now(self.transport, b"\n".join(lines))
 
     def _announce(self) -> None:
         if not self._announced:
