@@ -53,7 +53,8 @@ class WriteNowTest(TestCase):
 
     async def test_nothing_queued_goes_to_the_socket_at_once(self) -> None:
         """With nothing unsent, the bytes leave in the call: the transport queues nothing and is not waiting
-        to write."""
+        to write. (This also reads the transport's buffer attributes ``write_now`` reads: a Twisted that
+        renamed them, where ``write_now`` falls back to ``transport.write``, fails here.)"""
         writer, sink = await self._pair(5)
         transport: Any = writer.transport
         write_now(transport, b"hello")
