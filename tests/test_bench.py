@@ -236,3 +236,38 @@ class ProcessGroupCleanupTest(unittest.SynchronousTestCase):
         self.assertTrue(self._group_gone(child.pid))
         # Its ID may belong to another group by now: the record says it is done.
         self.assertEqual(run_cleanups(self.record), [])
+
+
+class ProfilePathsTest(unittest.SynchronousTestCase):
+    """``paths_table``: each process's samples share its measured CPU and go to the first path their stack
+    enters; waits count for nothing."""
+
+    def _file(self, lines: list[str]) -> str:
+        fd, path = tempfile.mkstemp(suffix=".txt")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n")
+        self.addCleanup(os.remove, path)
+        return path
+
+    def test_samples_share_the_process_cpu_by_first_path(self) -> None:
+        sys.path.insert(0, ROOT)
+        self.addCleanup(sys.path.remove, ROOT)
+        from scripts.benchmarks.profile import OTHER, path_of, paths_table
+
+        loop = "ReactorBase.mainLoop (twisted/internet/base.py:697)"
+        sync = ";".join([loop, "JsonResource._dispatch (synflow/http/server.py:493)",
+                         "ClientApi.on_sync (synflow/http/client_api.py:280)", "f (x.py:1)"])
+        head = ";".join([loop, "HTTPChannel.lineReceived (twisted/web/http.py:2400)"])
+        master = self._file([f"{sync} 3", f"{head} 1", f"{loop};EPollReactor.doPoll (twisted/internet/epollreactor.py:238) 50"])
+        persister = self._file([f"{loop};Thread.run (threading.py:1);ThreadWorker.work (twisted/_threads/_threadworker.py:1) 2",
+                                f"{loop};DelayedCall.__lt__ (twisted/internet/base.py:1) 2"])
+        self.assertEqual(path_of(sync), "sync")  # on the sync path, though the dispatch comes first in the stack
+        self.assertEqual(path_of(head), "twisted.web outside the handlers")
+        table = paths_table({"master": (master, 0.4), "persister": (persister, 0.2)})
+        # The master's 0.4 ms over its 4 working samples (the epoll wait left out): 300 µs sync, 100 µs head.
+        self.assertIn("| sync | 300 | 50.0% |", table)
+        self.assertIn("| twisted.web outside the handlers | 100 | 16.7% |", table)
+        self.assertIn("| database threads | 100 | 16.7% |", table)
+        self.assertIn(f"| {OTHER} | 100 | 16.7% |", table)
+        self.assertIn("| master | 400 | sync 300, twisted.web outside the handlers 100 |", table)
+        self.assertIn("over 2 processes, 600 µs", table)

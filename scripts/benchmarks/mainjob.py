@@ -32,7 +32,7 @@ import time
 from typing import Any
 
 from scripts.benchmarks.common import Progress, cpu_seconds, machine_cpu
-from scripts.benchmarks.profile import from_env
+from scripts.benchmarks.profile import from_env, paths_table
 
 TARGETS = [
     {"row": "mainjob.send_p50", "field": "value", "op": "<=", "threshold": 25, "label": "send p50 ≤ 25 ms"},
@@ -194,6 +194,11 @@ def run(quick: bool, progress: Progress) -> dict[str, Any]:
          "unit": "s", "value": setup_cpu},
     ]
     syncs_per_message = report.sync_requests / report.sent if report.sent else None
+    if profiler.enabled and profiler.directory:
+        files = {name: (os.path.join(profiler.directory, "mainjob-" + name.replace("/", "-") + ".txt"), ms)
+                 for name, ms in per_message.items()}
+        with open(os.path.join(profiler.directory, "mainjob-paths.md"), "w", encoding="utf-8") as f:
+            f.write(paths_table(files))
     progress(f"send p50/p99 {send['p50']:.1f}/{send['p99']:.1f} ms, visible p50/p99 {visible['p50']:.1f}/"
              f"{visible['p99']:.1f} ms, {report.events_per_s:,.0f} events/s, {total_cpu:.2f} ms CPU/message "
              f"(+ {driver_ms:.2f} the driver), {cores_busy:.2f} of {cores} cores busy, "

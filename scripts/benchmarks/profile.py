@@ -11,6 +11,13 @@ functions with the most samples, self and inclusive, to
 
 ``python -m scripts.benchmarks.profile FILE [--top N]`` prints the summary of
 any py-spy ``--format raw`` file.
+
+Across processes, :func:`paths_table` puts every sample of every process in
+the first of :data:`PATHS` its stack enters, weighted by that process's
+measured CPU per unit of work, and tells where a unit's CPU goes over the
+whole deployment (``mainjob`` writes it to
+``DIR/profiles/mainjob-paths.md``): the order to work in, when no single
+function stands out.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import shutil
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any
 
 _FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^()]*?)(?::(?P<line>\d+))?\)$")
@@ -74,6 +82,81 @@ def summarize(path: str, top: int = 25) -> str:
     ours = [(fn, c) for fn, c in incl_c.most_common() if ("synflow/" in fn or "scripts/" in fn) and c < 0.97 * total]
     out += ["", "incl %   function (synflow and harness frames: time in it and in what it calls)"]
     out += [f"{100 * c / total:6.1f}  {fn}" for fn, c in ours[:top]]
+    return "\n".join(out) + "\n"
+
+
+#: The paths of a deployment's work, each with the frames (as py-spy names them, a substring) that put a
+#: sample in it; a sample goes to the first path whose frame its stack holds, else to :data:`OTHER`.
+PATHS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("sync", ("ClientApi.on_sync ",)),
+    ("client send", ("ClientApi.on_send ",)),
+    ("the persisters' RPC server", ("RpcServer._",)),
+    ("inbound federation", ("SendResource.render_PUT ", "FederationAuthResource.")),
+    ("federation senders", ("synflow/federation/queue.py", "synflow/federation/transport.py",
+                            "synflow/federation/worker.py", "synflow/federation/sender.py", "twisted/web/_newclient.py")),
+    ("the router's RPC calls", ("EventRouter.",)),
+    ("the RPC client", ("RpcConnection.", "RpcClient.")),
+    ("replication", ("ReplicationProtocol.", "ReplicationHub.", "ReplicationHandler.")),
+    ("database threads", ("ThreadWorker.",)),
+    ("persist batch", ("EventPersister.",)),
+    ("audit log", ("AuditLog.",)),
+    ("synflow's HTTP layer around the handlers", ("JsonResource._dispatch ",)),
+    ("twisted.web outside the handlers", ("twisted/web/http.py", "twisted/web/server.py")),
+)
+#: Where a sample on none of :data:`PATHS` goes: the reactor loop, its I/O and Deferred chains, the rest.
+OTHER = "the reactor and the rest"
+
+
+def _working_stacks(path: str) -> list[tuple[str, int]]:
+    """The (stack, samples) of a collapsed-stack file, waits left out (as :func:`summarize` leaves them)."""
+    stacks = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            stack, _, count = line.rstrip("\n").rpartition(" ")
+            if not stack or not count.isdigit():
+                continue
+            leaf = _short(stack.rsplit(";", 1)[-1])
+            if not leaf.startswith(WAITS):
+                stacks.append((stack, int(count)))
+    return stacks
+
+
+def path_of(stack: str) -> str:
+    """The first of :data:`PATHS` whose frames ``stack`` holds (:data:`OTHER` if none)."""
+    for name, markers in PATHS:
+        if any(marker in stack for marker in markers):
+            return name
+    return OTHER
+
+
+def paths_table(profiles: Mapping[str, tuple[str, float]], unit: str = "message") -> str:
+    """Where a unit of work's CPU goes over processes, as Markdown.
+
+    ``profiles`` maps each process's name to its collapsed-stack file and
+    the CPU it measured per unit (ms); each process's working samples share
+    its CPU equally, and go to their path (:func:`path_of`).
+    """
+    by_path: Counter[str] = Counter()
+    by_process: dict[str, Counter[str]] = {}
+    for name, (path, cpu_ms) in sorted(profiles.items()):
+        stacks = _working_stacks(path) if os.path.exists(path) else []
+        samples = sum(n for _, n in stacks)
+        mine: Counter[str] = Counter()
+        for stack, n in stacks:
+            mine[path_of(stack)] += n * cpu_ms * 1000 / samples
+        by_process[name] = mine
+        by_path.update(mine)
+    total = sum(by_path.values())
+    if not total:
+        return "No samples.\n"
+    out = [f"CPU a {unit} over {len(by_process)} processes, {total:,.0f} µs: each process's py-spy samples share "
+           "its measured CPU, each sample on the first path its stack enters.", "",
+           f"| path | µs a {unit} | share |", "|---|---|---|"]
+    out += [f"| {name} | {us:,.0f} | {100 * us / total:.1f}% |" for name, us in by_path.most_common()]
+    out += ["", f"| process | µs a {unit} | its largest paths (µs) |", "|---|---|---|"]
+    for name, mine in sorted(by_process.items(), key=lambda kv: -sum(kv[1].values())):
+        top = ", ".join(f"{p} {us:,.0f}" for p, us in mine.most_common(4))
+        out.append(f"| {name} | {sum(mine.values()):,.0f} | {top} |")
     return "\n".join(out) + "\n"
 
 
