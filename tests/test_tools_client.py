@@ -17,7 +17,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Site
 
 from synflow.tools import client
-from synflow.tools.client import PREFIX, ApiError, Client, ClientPool, new_pool
+from synflow.tools.client import PREFIX, ApiError, Client, ClientPool, new_pool, retry_delay_s
 from synflow.tools.workload import UserState, Workload
 
 
@@ -207,3 +207,18 @@ class QuotingTest(SynchronousTestCase):
     def test_common_values_skip_escaping(self) -> None:
         self.assertEqual(client._query({"timeout": 2000, "since": "m12~1.5_3"}), "timeout=2000&since=m12~1.5_3")
         self.assertEqual(client._quote("!room:hs"), "%21room%3Ahs")
+
+
+class RetryDelayTest(SynchronousTestCase):
+    def test_a_429_waits_what_it_asks_up_to_a_minute(self) -> None:
+        """``retry_after_ms`` of a 429 is the wait; a missing, non-numeric, non-positive or over-a-minute one,
+        or another error, waits the default."""
+        def limited(body: Any) -> ApiError:
+            return ApiError(429, body)
+
+        self.assertEqual(retry_delay_s(limited({"retry_after_ms": 1500})), 1.5)
+        self.assertEqual(retry_delay_s(limited({"retry_after_ms": 60_000})), 60.0)
+        for body in ({}, {"retry_after_ms": "7"}, {"retry_after_ms": 0}, {"retry_after_ms": -5},
+                     {"retry_after_ms": 60_001}, "not an object"):
+            self.assertEqual(retry_delay_s(limited(body)), 0.2, body)
+        self.assertEqual(retry_delay_s(ConnectionError(), default=1.0), 1.0)

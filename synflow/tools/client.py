@@ -42,6 +42,13 @@ class ApiError(Exception):
         self.errcode = body.get("errcode") if isinstance(body, dict) else None
 
 
+def retry_delay_s(error: BaseException, default: float = 0.2) -> float:
+    """How long to wait before trying again after ``error``: what its ``retry_after_ms`` asks (a 429's, up to
+    a minute), else ``default``."""
+    retry_ms = error.body.get("retry_after_ms") if isinstance(error, ApiError) and isinstance(error.body, dict) else None
+    return retry_ms / 1000 if isinstance(retry_ms, int | float) and 0 < retry_ms <= 60_000 else default
+
+
 class ClientPool(HTTPConnectionPool):
     """The connections of a set of :class:`Client` s: the API calls' own (:attr:`calls`) and twisted.web's, for treq."""
 

@@ -35,7 +35,7 @@ from twisted.internet.task import deferLater
 
 from synflow.backoff import Backoff
 from synflow.sharding import shard_for
-from synflow.tools.client import ApiError, Client, new_pool
+from synflow.tools.client import ApiError, Client, new_pool, retry_delay_s
 
 #: A send that meets a 5xx, a 429 or a transport error is tried up to this many
 #: times with the same transaction ID, pausing :data:`SEND_BACKOFF` between tries
@@ -366,9 +366,7 @@ class Workload:
         except Exception as e:
             user.errors += 1
             # A 429 says how long to wait; anything else waits a little before retrying.
-            retry_ms = e.body.get("retry_after_ms") if isinstance(e, ApiError) and isinstance(e.body, dict) else None
-            delay = retry_ms / 1000 if isinstance(retry_ms, int | float) and 0 < retry_ms <= 60_000 else 0.2
-            await deferLater(reactor, delay, lambda: None)
+            await deferLater(reactor, retry_delay_s(e), lambda: None)
             return 0
         now = time.monotonic()
         user.syncs += 1

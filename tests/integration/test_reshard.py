@@ -302,7 +302,7 @@ class ReadYourWrites:
 async def _obeying_rate_limits(call: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> Any:
     """``call(*args, **kwargs)``, made again after the wait a 429 asks for, as a client does (one user probing
     in a tight loop passes the sync rate limit on a fast machine)."""
-    from synflow.tools.client import ApiError
+    from synflow.tools.client import ApiError, retry_delay_s
 
     while True:
         try:
@@ -310,7 +310,7 @@ async def _obeying_rate_limits(call: Callable[..., Awaitable[Any]], *args: Any, 
         except ApiError as e:
             if e.code != 429:
                 raise
-            await sleep(int(e.body.get("retry_after_ms", 100)) / 1000)
+            await sleep(retry_delay_s(e))
 
 
 def _propose_directly(cluster: Cluster) -> None:
