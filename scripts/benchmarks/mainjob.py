@@ -45,6 +45,11 @@ TARGETS = [
 ]
 
 
+def _profile_name(process: str) -> str:
+    """The name of ``process``'s profile (``localhost/master``: ``mainjob-localhost-master``)."""
+    return "mainjob-" + process.replace("/", "-")
+
+
 def _pids(directory: str) -> dict[str, int]:
     run = os.path.join(directory, "var", "run")
     pids = {}
@@ -133,7 +138,7 @@ def run(quick: bool, progress: Progress) -> dict[str, Any]:
                 if msg.startswith("sending"):  # the CPU figure and the profiles cover the messages, not the set-up
                     samples.start()  # its first sample is the CPU at the first send
                     for name, pid in pids.items():
-                        profiler.attach("mainjob-" + name.replace("/", "-"), pid, 2 if quick else 10)
+                        profiler.attach(_profile_name(name), pid, 2 if quick else 10)
 
             demo.step = step
 
@@ -195,7 +200,7 @@ def run(quick: bool, progress: Progress) -> dict[str, Any]:
     ]
     syncs_per_message = report.sync_requests / report.sent if report.sent else None
     if profiler.enabled and profiler.directory:
-        files = {name: (os.path.join(profiler.directory, "mainjob-" + name.replace("/", "-") + ".txt"), ms)
+        files = {name: (os.path.join(profiler.directory, _profile_name(name) + ".txt"), ms)
                  for name, ms in per_message.items()}
         with open(os.path.join(profiler.directory, "mainjob-paths.md"), "w", encoding="utf-8") as f:
             f.write(paths_table(files))

@@ -29,7 +29,7 @@ import shutil
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 _FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^()]*?)(?::(?P<line>\d+))?\)$")
@@ -52,27 +52,32 @@ WAITS = ("EPollReactor.doPoll", "Condition.wait", "Event.wait", "Thread.join", "
          "Queue.get", "select ")
 
 
-def summarize(path: str, top: int = 25) -> str:
-    """The functions with the most samples in a collapsed-stack file, self and inclusive (waits left out)."""
-    self_c: Counter[str] = Counter()
-    incl_c: Counter[str] = Counter()
-    total = waiting = 0
+def _samples(path: str) -> Iterator[tuple[list[str], int, bool]]:
+    """Each stack of a collapsed-stack file: its frames (shortened, without py-spy's process and thread
+    frames), its samples, and whether it is a wait (:data:`WAITS`)."""
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
             stack, _, count = line.rstrip("\n").rpartition(" ")
             if not stack or not count.isdigit():
                 continue
-            n = int(count)
             frames = [_short(fr) for fr in stack.split(";") if fr and not fr.startswith(("process ", "thread "))]
-            if not frames:
-                continue
-            if frames[-1].startswith(WAITS):
-                waiting += n
-                continue
-            total += n
-            self_c[frames[-1]] += n
-            for fr in set(frames):
-                incl_c[fr] += n
+            if frames:
+                yield frames, int(count), frames[-1].startswith(WAITS)
+
+
+def summarize(path: str, top: int = 25) -> str:
+    """The functions with the most samples in a collapsed-stack file, self and inclusive (waits left out)."""
+    self_c: Counter[str] = Counter()
+    incl_c: Counter[str] = Counter()
+    total = waiting = 0
+    for frames, n, wait in _samples(path):
+        if wait:
+            waiting += n
+            continue
+        total += n
+        self_c[frames[-1]] += n
+        for fr in set(frames):
+            incl_c[fr] += n
     if not total:
         return f"{path}: no samples\n"
     out = [f"{os.path.basename(path)}: {total} samples working, {waiting} waiting (epoll, locks; left out); "
@@ -107,20 +112,6 @@ PATHS: tuple[tuple[str, tuple[str, ...]], ...] = (
 OTHER = "the reactor and the rest"
 
 
-def _working_stacks(path: str) -> list[tuple[str, int]]:
-    """The (stack, samples) of a collapsed-stack file, waits left out (as :func:`summarize` leaves them)."""
-    stacks = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            stack, _, count = line.rstrip("\n").rpartition(" ")
-            if not stack or not count.isdigit():
-                continue
-            leaf = _short(stack.rsplit(";", 1)[-1])
-            if not leaf.startswith(WAITS):
-                stacks.append((stack, int(count)))
-    return stacks
-
-
 def path_of(stack: str) -> str:
     """The first of :data:`PATHS` whose frames ``stack`` holds (:data:`OTHER` if none)."""
     for name, markers in PATHS:
@@ -139,7 +130,7 @@ def paths_table(profiles: Mapping[str, tuple[str, float]], unit: str = "message"
     by_path: Counter[str] = Counter()
     by_process: dict[str, Counter[str]] = {}
     for name, (path, cpu_ms) in sorted(profiles.items()):
-        stacks = _working_stacks(path) if os.path.exists(path) else []
+        stacks = [(";".join(frames), n) for frames, n, wait in _samples(path) if not wait] if os.path.exists(path) else []
         samples = sum(n for _, n in stacks)
         mine: Counter[str] = Counter()
         for stack, n in stacks:
