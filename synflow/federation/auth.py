@@ -53,6 +53,7 @@ from synflow.federation.signing import (
     parse_auth_header,
     verify_request,
 )
+from synflow.http.server import client_gone
 from synflow.http.site import PrefixRoot
 from synflow.metrics import counter, series
 
@@ -140,10 +141,8 @@ class FederationAuthResource(Resource):
             if _deeper_than(content, MAX_JSON_DEPTH):
                 return _json_body(request, 400, {"errcode": "M_BAD_JSON",
                                                  "error": f"JSON is nested more than {MAX_JSON_DEPTH} levels deep"})
-        gone: list[bool] = []
-        request.notifyFinish().addErrback(lambda _: gone.append(True))
         d = Deferred.fromCoroutine(self._authenticate(request, content))
-        d.addCallbacks(self._dispatch, self._refuse, callbackArgs=(request, gone), errbackArgs=(request, gone))
+        d.addCallbacks(self._dispatch, self._refuse, callbackArgs=(request,), errbackArgs=(request,))
         return NOT_DONE_YET
 
     async def _authenticate(self, request: Any, content: Any) -> str:
@@ -178,9 +177,9 @@ class FederationAuthResource(Resource):
             return origin
         raise HttpApiError(401, "M_UNAUTHORIZED", "; ".join(errors))
 
-    def _dispatch(self, origin: str, request: Any, gone: list[bool]) -> None:
+    def _dispatch(self, origin: str, request: Any) -> None:
         _requests("authenticated").inc()
-        if gone:
+        if client_gone(request):
             return
         setattr(request, _ORIGIN_ATTR, origin)
         endpoint = self._root.getChildWithDefault(b"", request)
@@ -189,11 +188,11 @@ class FederationAuthResource(Resource):
         except Exception:
             logger.exception("federation endpoint %r failed", request.path)
             result = _json_body(request, 500, {"errcode": "M_UNKNOWN", "error": "internal error"})
-        if result is not NOT_DONE_YET and not gone:
+        if result is not NOT_DONE_YET and not client_gone(request):
             request.write(result)
             request.finish()
 
-    def _refuse(self, failure: Failure, request: Any, gone: list[bool]) -> None:
+    def _refuse(self, failure: Failure, request: Any) -> None:
         if failure.check(HttpApiError):
             error: HttpApiError = failure.value  # type: ignore[assignment]
             logger.info("refused federation %s %r: %s", request.method, request.path[:200], error.msg)
@@ -202,7 +201,7 @@ class FederationAuthResource(Resource):
         else:
             logger.error("authenticating a federation request failed: %s", failure.getTraceback())
             code, body = 500, {"errcode": "M_UNKNOWN", "error": "internal error"}
-        if not gone:
+        if not client_gone(request):
             request.write(_json_body(request, code, body))
             request.finish()
 

@@ -44,6 +44,7 @@ from synflow.federation import metrics
 from synflow.federation.interfaces import DedupeStore, JsonDict
 from synflow.federation.pdus import INBOUND_PDUS_REFUSED, pdu_refusal
 from synflow.federation.policy import MAX_EDUS_PER_TRANSACTION, MAX_PDUS_PER_TRANSACTION
+from synflow.http.server import client_gone
 from synflow.metrics import series
 
 logger = logging.getLogger(__name__)
@@ -471,18 +472,16 @@ class SendResource(Resource):
             limit = self._handler.max_body_bytes
             return _write(request, 400, {"errcode": "M_TOO_LARGE", "error": f"body is more than {limit} bytes"})
         raw = request.content.read(self._handler.max_body_bytes + 1) if request.content is not None else b""
-        gone: list[bool] = []
-        request.notifyFinish().addErrback(lambda _: gone.append(True))
         d = self._handler.on_send(origin, txn_id, raw)
 
         def _reply(result: tuple[int, JsonDict]) -> None:
-            if not gone:
+            if not client_gone(request):
                 request.write(_write(request, *result))
                 request.finish()
 
         def _error(f: Failure) -> None:
             logger.error("inbound /send %s failed: %s", txn_id, f.getTraceback())
-            if not gone:
+            if not client_gone(request):
                 request.write(_write(request, 500, {"errcode": "M_UNKNOWN", "error": "internal error"}))
                 request.finish()
 

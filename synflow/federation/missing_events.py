@@ -49,6 +49,7 @@ from synflow.federation import metrics
 from synflow.federation.inbound import DEFAULT_MAX_JSON_DEPTH, parse_body
 from synflow.federation.interfaces import JsonDict
 from synflow.federation.storage import PDU_COLUMNS, event_to_pdu
+from synflow.http.server import client_gone
 from synflow.storage.engines import Database, Txn
 
 logger = logging.getLogger(__name__)
@@ -278,12 +279,10 @@ class MissingEventsResource(Resource):
         except HttpApiError as e:
             logger.info("refused get_missing_events: %s", e.msg)
             return _write(request, e.code, e.to_json())
-        gone: list[bool] = []
-        request.notifyFinish().addErrback(lambda _: gone.append(True))
         d = self._store.missing_events(parsed, origin)
 
         def _reply(events: list[JsonDict] | None) -> None:
-            if gone:
+            if client_gone(request):
                 return
             if events is None:
                 body = {"errcode": "M_FORBIDDEN", "error": f"{origin} has no member in {parsed.room_id}"}
@@ -295,7 +294,7 @@ class MissingEventsResource(Resource):
 
         def _error(f: Failure) -> None:
             logger.error("get_missing_events in %s failed: %s", parsed.room_id, f.getTraceback())
-            if not gone:
+            if not client_gone(request):
                 request.write(_write(request, 500, {"errcode": "M_UNKNOWN", "error": "internal error"}))
                 request.finish()
 

@@ -404,9 +404,15 @@ class EncodedJson:
         self.text = text
 
 
+def client_gone(request: Request) -> bool:
+    """Whether ``request``'s client has disconnected: twisted.web's ``Request`` marks it when its connection is
+    lost, so nothing need ask for ``notifyFinish()`` to learn it (a Deferred per request)."""
+    return bool(getattr(request, "_disconnected", False))
+
+
 def respond_json(request: Request, code: int, body: Any) -> None:
     """Write a JSON response and finish the request (if still open)."""
-    if request.finished or getattr(request, "_disconnected", False):
+    if request.finished or client_gone(request):
         return
     data = body.text.encode("utf-8") if type(body) is EncodedJson else encode_json(body)
     request.setResponseCode(code)
