@@ -82,7 +82,7 @@ def check_identifier(value: Any, field: str, *, allow_empty: bool = False) -> st
         raise FieldError(f"{field} must be a string, not {type(value).__name__}")
     if not value and not allow_empty:
         raise FieldError(f"{field} must not be empty")
-    size = utf8_length(value, field)
+    size = len(value) if value.isascii() else utf8_length(value, field)  # ASCII: a byte a character
     if size > MAX_ID_BYTES:
         raise FieldError(f"{field} is {size} bytes, more than {MAX_ID_BYTES}")
     return value
@@ -110,6 +110,8 @@ def check_json_value(value: Any, field: str) -> None:
     Raises:
         FieldError: naming the path of the first bad value found.
     """
+    if _within_bounds(value):
+        return
     stack: list[tuple[Any, str, int]] = [(value, field, 1)]
     while stack:
         node, path, depth = stack.pop()
@@ -137,6 +139,55 @@ def check_json_value(value: Any, field: str) -> None:
             raise FieldError(f"{path} holds a {type(node).__name__}, not a JSON value")
 
 
+def _within_bounds(value: Any) -> bool:
+    """Whether :func:`check_json_value` passes ``value``, without building the path of each value it visits.
+
+    One level of nesting at a time; only the exact JSON types (``dict``,
+    ``list``, ``str``, ``int``, ``float``, ``bool``, ``None``) are judged here.
+    False means "not sure": the caller walks again, naming the path of what
+    is wrong, and decides.
+    """
+    level = [value]
+    depth = 1
+    while level:
+        below: list[Any] = []
+        for node in level:
+            kind = type(node)
+            if kind is str:
+                if not node.isascii():
+                    try:
+                        node.encode("utf-8")
+                    except UnicodeEncodeError:
+                        return False
+            elif kind is dict:
+                if depth > MAX_CONTENT_DEPTH:
+                    return False
+                for key in node:
+                    if type(key) is not str:
+                        return False
+                    if not key.isascii():
+                        try:
+                            key.encode("utf-8")
+                        except UnicodeEncodeError:
+                            return False
+                below.extend(node.values())
+            elif kind is int:
+                if not -MAX_SAFE_INTEGER <= node <= MAX_SAFE_INTEGER:
+                    return False
+            elif kind is list:
+                if depth > MAX_CONTENT_DEPTH:
+                    return False
+                below.extend(node)
+            elif kind is float:
+                if not math.isfinite(node):
+                    return False
+            elif node is not None and kind is not bool:
+                return False
+        level = below
+        depth += 1
+    return True
+
+
 def check_event_fields(fields: Mapping[str, Any]) -> None:
     """Check the fields of one event (an :class:`~synflow.events.persist.EventSpec` as a dict, or a PDU).
 
@@ -161,7 +212,8 @@ def check_event_fields(fields: Mapping[str, Any]) -> None:
         raise FieldError("content must be an object")
     check_json_value(content, "content")
     present = {k: v for k, v in fields.items() if v is not None and k != "txn_id"}
-    size = len(compact_json_unicode(present).encode("utf-8")) + PDU_RESERVE_BYTES
+    text = compact_json_unicode(present)
+    size = (len(text) if text.isascii() else len(text.encode("utf-8"))) + PDU_RESERVE_BYTES
     if size > MAX_PDU_BYTES:
         raise EventTooLarge(f"the event is {size} bytes, more than {MAX_PDU_BYTES}")
 

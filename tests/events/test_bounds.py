@@ -17,6 +17,7 @@ from synflow.events.bounds import (
     PDU_RESERVE_BYTES,
     EventTooLarge,
     FieldError,
+    _within_bounds,
     check_event_fields,
     check_json_value,
 )
@@ -145,3 +146,40 @@ class BoundsTest(SynchronousTestCase):
         else:
             node.append(bad)
         self.assertRaises(FieldError, check_json_value, holder, "content")
+
+    @given(st.recursive(
+        st.none() | st.booleans() | st.integers(-2**54, 2**54) | st.floats() | st.text(max_size=5)
+        | st.sampled_from(BAD_VALUES),
+        lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=4), children, max_size=3),
+        max_leaves=12,
+    ))
+    def test_fast_pass_agrees_with_the_named_walk(self, value: Any) -> None:
+        """The pass without paths says a value is within bounds exactly when the walk that names paths finds
+        nothing wrong (the walk runs only when it does not)."""
+        try:
+            check_json_value(value, "content")
+        except FieldError:
+            fine = False
+        else:
+            fine = True
+        self.assertEqual(_within_bounds(value), fine)
+
+    def test_fast_pass_leaves_other_types_to_the_walk(self) -> None:
+        """Subclasses of the JSON types and nesting past the bound are not judged by the fast pass."""
+        import enum
+
+        class Level(enum.IntEnum):
+            LOW = 1
+
+        class Text(str):
+            pass
+
+        for value in ({"a": Level.LOW}, [Text("x")], {Text("k"): 1}, {1: 2}):
+            self.assertFalse(_within_bounds(value), value)
+        check_json_value({"a": Level.LOW}, "content")  # the walk decides: an int within range
+        self.assertRaises(FieldError, check_json_value, {1: 2}, "content")
+        deep: Any = []
+        for _ in range(MAX_CONTENT_DEPTH):
+            deep = [deep]
+        self.assertFalse(_within_bounds(deep))
+        self.assertRaises(FieldError, check_json_value, deep, "content")
