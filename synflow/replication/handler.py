@@ -339,11 +339,23 @@ class ReplicationHandler:
                 if view is None or cmd.instance_name == me:  # type: ignore[union-attr]
                     self._on_stream_command(conn, cmd)  # type: ignore[arg-type]  # counted and logged there
                     continue
-                view.queue.append((conn, cmd))  # type: ignore[arg-type]
-                if not view.busy:
-                    self._drain(view)
+                if view.busy or view.queue or self.guard is not None or type(cmd) is not RdataCommand:
+                    view.queue.append((conn, cmd))  # type: ignore[arg-type]
+                    if not view.busy:
+                        self._drain(view)
+                    continue
             except Exception:  # as when delivered one by one: the next command still gets handled
                 logger.exception("error handling %s", cmd.NAME)
+                continue
+            # A row with nothing queued before it and nothing to ask the guard: processed as _drain would.
+            view.busy = True
+            try:
+                self._process_rdata(view, conn, cmd)
+            except Exception:
+                logger.exception("error processing %s on %s", cmd.NAME, view.stream.name)
+            view.busy = False
+            if view.queue:  # queued while it was processed
+                self._drain(view)
 
     def _listener_failed(self, failure: Any, cmd: AnyCommand) -> None:
         logger.error("listener for %s failed: %s", cmd.NAME, failure.getTraceback())

@@ -572,6 +572,47 @@ class RunsTest(SynchronousTestCase):
                          {w: one.position("events", w) for w in ("w1", "w2")})
         self.assertEqual(vars(runs.stats), vars(one.stats))
 
+    def test_a_row_delivered_while_one_is_applied_waits_for_it(self):
+        """A row handler that hands the handler another run (re-entrantly) sees that run's row applied after it
+        returns, never inside its own call: the stream's rows stay in order."""
+        handler, applied, conn = self._reader()
+        order = []
+
+        def handler_feeding(inst, tok, rows):
+            order.append(("start", tok))
+            if tok == 2:
+                handler.on_commands(conn, [RdataCommand("events", "w1", 3, ev(3).to_wire())])
+            order.append(("end", tok))
+
+        handler.add_row_handler("events", handler_feeding)
+        handler.on_commands(conn, [PositionCommand("events", "w1", 1, 1)])
+        handler.on_commands(conn, [RdataCommand("events", "w1", 2, ev(2).to_wire())])
+        self.assertEqual(order, [("start", 2), ("end", 2), ("start", 3), ("end", 3)])
+        self.assertEqual(applied, [("w1", 2, ["$e2:hs"]), ("w1", 3, ["$e3:hs"])])
+        self.assertEqual(handler.position("events", "w1"), 3)
+
+    def test_a_failing_row_is_logged_and_the_next_one_applied(self):
+        """A row whose processing raises is logged; the run's next row is still applied."""
+        handler, applied, conn = self._reader()
+        calls = []
+        handler.add_row_handler("events", lambda inst, tok, rows: calls.append(tok))
+        real = handler._process_rdata
+
+        def process(view, c, cmd):
+            if cmd.token == 2:
+                raise RuntimeError("boom")
+            real(view, c, cmd)
+
+        handler._process_rdata = process
+        handler.on_commands(conn, [PositionCommand("events", "w1", 1, 1)])
+        with self.assertLogs("synflow.replication.handler", "ERROR") as logged:
+            handler.on_commands(conn, [RdataCommand("events", "w1", 2, ev(2).to_wire()),
+                                       RdataCommand("events", "w1", 3, ev(3).to_wire())])
+        self.assertEqual(len(logged.records), 1)
+        self.assertIn("error processing RDATA on events", logged.output[0])
+        self.assertEqual(applied, [("w1", 3, ["$e3:hs"])])
+        self.assertEqual(calls, [3])
+
     def test_command_listeners_still_see_every_row(self):
         """With a listener for RDATA, every row of a run reaches it, after the rows before it were applied."""
         seen = []
