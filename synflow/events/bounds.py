@@ -62,9 +62,27 @@ def utf8_length(value: str, field: str) -> int:
         FieldError: ``value`` holds a lone surrogate (not encodable as UTF-8).
     """
     try:
-        return len(value.encode("utf-8"))
+        return _byte_length(value)
     except UnicodeEncodeError as e:
         raise FieldError(f"{field} is not valid UTF-8 (lone surrogate at {e.start})") from None
+
+
+def _byte_length(text: str) -> int:
+    """``len(text.encode("utf-8"))``, without encoding ASCII text (a byte a character).
+
+    Raises:
+        UnicodeEncodeError: ``text`` holds a lone surrogate.
+    """
+    return len(text) if text.isascii() else len(text.encode("utf-8"))
+
+
+def _strict_utf8(text: str) -> bool:
+    """Whether ``text`` encodes as strict UTF-8 (holds no lone surrogate)."""
+    try:
+        _byte_length(text)
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def check_identifier(value: Any, field: str, *, allow_empty: bool = False) -> str:
@@ -82,7 +100,7 @@ def check_identifier(value: Any, field: str, *, allow_empty: bool = False) -> st
         raise FieldError(f"{field} must be a string, not {type(value).__name__}")
     if not value and not allow_empty:
         raise FieldError(f"{field} must not be empty")
-    size = len(value) if value.isascii() else utf8_length(value, field)  # ASCII: a byte a character
+    size = utf8_length(value, field)
     if size > MAX_ID_BYTES:
         raise FieldError(f"{field} is {size} bytes, more than {MAX_ID_BYTES}")
     return value
@@ -154,22 +172,14 @@ def _within_bounds(value: Any) -> bool:
         for node in level:
             kind = type(node)
             if kind is str:
-                if not node.isascii():
-                    try:
-                        node.encode("utf-8")
-                    except UnicodeEncodeError:
-                        return False
+                if not node.isascii() and not _strict_utf8(node):
+                    return False
             elif kind is dict:
                 if depth > MAX_CONTENT_DEPTH:
                     return False
                 for key in node:
-                    if type(key) is not str:
+                    if type(key) is not str or not (key.isascii() or _strict_utf8(key)):
                         return False
-                    if not key.isascii():
-                        try:
-                            key.encode("utf-8")
-                        except UnicodeEncodeError:
-                            return False
                 below.extend(node.values())
             elif kind is int:
                 if not -MAX_SAFE_INTEGER <= node <= MAX_SAFE_INTEGER:
@@ -212,8 +222,7 @@ def check_event_fields(fields: Mapping[str, Any]) -> None:
         raise FieldError("content must be an object")
     check_json_value(content, "content")
     present = {k: v for k, v in fields.items() if v is not None and k != "txn_id"}
-    text = compact_json_unicode(present)
-    size = (len(text) if text.isascii() else len(text.encode("utf-8"))) + PDU_RESERVE_BYTES
+    size = _byte_length(compact_json_unicode(present)) + PDU_RESERVE_BYTES
     if size > MAX_PDU_BYTES:
         raise EventTooLarge(f"the event is {size} bytes, more than {MAX_PDU_BYTES}")
 

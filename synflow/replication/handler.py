@@ -339,23 +339,9 @@ class ReplicationHandler:
                 if view is None or cmd.instance_name == me:  # type: ignore[union-attr]
                     self._on_stream_command(conn, cmd)  # type: ignore[arg-type]  # counted and logged there
                     continue
-                if view.busy or view.queue or self.guard is not None or type(cmd) is not RdataCommand:
-                    view.queue.append((conn, cmd))  # type: ignore[arg-type]
-                    if not view.busy:
-                        self._drain(view)
-                    continue
+                self._deliver(view, conn, cmd)  # type: ignore[arg-type]
             except Exception:  # as when delivered one by one: the next command still gets handled
                 logger.exception("error handling %s", cmd.NAME)
-                continue
-            # A row with nothing queued before it and nothing to ask the guard: processed as _drain would.
-            view.busy = True
-            try:
-                self._process_rdata(view, conn, cmd)
-            except Exception:
-                logger.exception("error processing %s on %s", cmd.NAME, view.stream.name)
-            view.busy = False
-            if view.queue:  # queued while it was processed
-                self._drain(view)
 
     def _listener_failed(self, failure: Any, cmd: AnyCommand) -> None:
         logger.error("listener for %s failed: %s", cmd.NAME, failure.getTraceback())
@@ -401,8 +387,28 @@ class ReplicationHandler:
                     cmd.NAME, cmd.stream_name, cmd.instance_name,
                 )
             return
-        view.queue.append((conn, cmd))
-        if not view.busy:
+        self._deliver(view, conn, cmd)
+
+    def _deliver(self, view: _StreamView, conn: Connection, cmd: RdataCommand | PositionCommand) -> None:
+        """Process ``cmd`` in its stream's order: queued behind what the stream is processing, else now.
+
+        A row with nothing queued before it and no guard to ask is processed
+        here, as :meth:`_drain` would process it, without a trip through the
+        queue; the stream is busy meanwhile, so a command delivered while it
+        is applied (by a row handler) waits for it.
+        """
+        if view.busy or view.queue or self.guard is not None or type(cmd) is not RdataCommand:
+            view.queue.append((conn, cmd))
+            if not view.busy:
+                self._drain(view)
+            return
+        view.busy = True
+        try:
+            self._process_rdata(view, conn, cmd)
+        except Exception:
+            logger.exception("error processing %s on %s", cmd.NAME, view.stream.name)
+        view.busy = False
+        if view.queue:  # delivered while it was processed
             self._drain(view)
 
     def _drain(self, view: _StreamView) -> None:
