@@ -625,11 +625,14 @@ class PostgresFederationTest(FederationMixin, TestCase):
 
         def p1_waiting() -> list[tuple]:
             # P1's transaction, blocked by the test's lock: it has allocated its ID and inserted the event.
-            return a.query("SELECT query FROM pg_stat_activity WHERE datname = ? AND ? = ANY(pg_blocking_pids(pid))",
-                           (a.dbname, lock.get_backend_pid()))
+            # pg_stat_activity is a snapshot taken as the query starts, pg_blocking_pids is read row by row after
+            # it: a backend may show the statement before the one it is now blocked in, so a poll that sees
+            # another statement looks again rather than fails.
+            blocked = a.query("SELECT query FROM pg_stat_activity WHERE datname = ? AND ? = ANY(pg_blocking_pids(pid))",
+                              (a.dbname, lock.get_backend_pid()))
+            return [row for row in blocked if "rooms" in row[0]]
 
-        blocked = yield wait_until(p1_waiting, 30, f"{p1}'s transaction to wait on the lock of {held_room}'s row")
-        self.assertIn("rooms", blocked[0][0], blocked)
+        yield wait_until(p1_waiting, 30, f"{p1}'s transaction to wait on the lock of {held_room}'s row")
         later: list[str] = []
         for i in range(24):
             result = yield ensureDeferred(alice.send(p2_rooms[i % 3], {"body": f"during {i}"}, f"d{i}"))
