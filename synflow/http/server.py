@@ -279,14 +279,19 @@ class JsonSite(Site):
                                        f"{request.code} {duration_ms:.1f}ms {getattr(request, 'synflow_user', None) or '-'}")
 
 
-#: Any of :data:`SECRET_QUERY_PARAMS` anywhere, in any case: a query without a match names none of them.
-_may_hold_secret = re.compile(b"|".join(re.escape(name) for name in sorted(SECRET_QUERY_PARAMS)), re.IGNORECASE).search
+#: Any of :data:`SECRET_QUERY_PARAMS` anywhere in a lower-cased query: a query without a match names none of
+#: them. Only the names that hold no other (``token`` finds ``access_token`` too), and the query lower-cased
+#: first: a case-insensitive alternation costs several times as much on a sync's query.
+_may_hold_secret = re.compile(b"|".join(
+    re.escape(name) for name in sorted(SECRET_QUERY_PARAMS)
+    if not any(other != name and other in name for other in SECRET_QUERY_PARAMS)
+)).search
 
 
 def loggable_uri(uri: bytes) -> str:
     """``uri`` for a log line: the values of secret query parameters replaced by ``<redacted>``."""
     path, sep, query = uri.partition(b"?")
-    if not sep or not _may_hold_secret(query):
+    if not sep or not _may_hold_secret(query.lower()):
         return uri.decode("ascii", "backslashreplace")
     parts = []
     for part in query.split(b"&"):
