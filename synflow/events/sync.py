@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 import operator
 from bisect import bisect_right
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import cast
 
@@ -71,7 +71,51 @@ RECENT_BYTES = 8 * 1024 * 1024
 RECENT_NEWS = 4096
 
 
+#: A sync of n rooms takes the kept events of each of its rooms when n times this is fewer than the kept
+#: events its window would scan (a dictionary look-up and a bisection a room against a test an event).
+ROOM_LOOKUP_COST = 4
+
 _stream_ordering = operator.attrgetter("stream_ordering")
+
+
+def _scan_window(recent: list[SyncEvent], first: int, rooms: frozenset[str], after: dict[str, int],
+                 after_default: int, upto: dict[str, int], upto_default: int, limit: int) -> list[SyncEvent]:
+    """The events of ``rooms`` among ``recent[first:]`` in each writer's ``(after, upto]``, at most ``limit``."""
+    events = []
+    for event in recent[first:] if first else recent:
+        ordering = event.stream_ordering
+        writer = event.instance_name
+        if (event.room_id in rooms and ordering > after.get(writer, after_default)
+                and ordering <= upto.get(writer, upto_default)):
+            events.append(event)
+            if len(events) >= limit:
+                break
+    return events
+
+
+def _rooms_window(by_room: dict[str, list[SyncEvent]], rooms: frozenset[str], after: dict[str, int],
+                  after_default: int, upto: dict[str, int], upto_default: int, limit: int) -> list[SyncEvent]:
+    """:func:`_scan_window` over the kept events by room: each room's from the lowest start on, merged."""
+    events: list[SyncEvent] = []
+    for room_id in rooms:
+        room = by_room.get(room_id)
+        if not room:
+            continue
+        for event in room[bisect_right(room, after_default, key=_stream_ordering):]:
+            ordering = event.stream_ordering
+            writer = event.instance_name
+            if ordering > after.get(writer, after_default) and ordering <= upto.get(writer, upto_default):
+                events.append(event)
+    if len(events) > 1:
+        events.sort(key=_stream_ordering)
+    return events[:limit]
+
+
+def _by_room(events: list[SyncEvent]) -> dict[str, list[SyncEvent]]:
+    by_room: dict[str, list[SyncEvent]] = {}
+    for event in events:
+        by_room.setdefault(event.room_id, []).append(event)
+    return by_room
 
 
 @attrs.frozen
@@ -124,6 +168,8 @@ class SyncHandler:
         self._current: tuple[StreamToken, dict[str, int]] | None = None
         #: Every room's events in ``(_recent_from, _recent_to]``, by stream ordering (see _recent_window).
         self._recent: list[SyncEvent] = []
+        #: The same events by room, each room's in the same order (a sync of a few rooms looks at theirs only).
+        self._recent_by_room: dict[str, list[SyncEvent]] = {}
         self._recent_bytes = 0  # of their content
         self._recent_from: StreamToken | None = None
         self._recent_to: StreamToken | None = None
@@ -281,19 +327,13 @@ class SyncHandler:
         if await self._recent_window(since, now, now_by_name):
             # The window within the kept events: each writer's events after its position in since, up to now.
             after, after_default = self._by_name(since), since.minimum
-            upto_default = now.minimum
             recent = self._recent
             first = bisect_right(recent, after_default, key=_stream_ordering)  # no writer's window starts lower
-            events = []
-            for event in recent[first:] if first else recent:
-                ordering = event.stream_ordering
-                writer = event.instance_name
-                if (event.room_id in rooms and ordering > after.get(writer, after_default)
-                        and ordering <= now_by_name.get(writer, upto_default)):
-                    events.append(event)
-                    if len(events) >= limit:
-                        break
-            return events
+            if len(rooms) * ROOM_LOOKUP_COST < len(recent) - first:
+                # Fewer rooms than events to look at: each room's own events, merged.
+                return _rooms_window(self._recent_by_room, rooms, after, after_default, now_by_name, now.minimum,
+                                     limit)
+            return _scan_window(recent, first, rooms, after, after_default, now_by_name, now.minimum, limit)
         return await self.store.get_events_in_window(
             sorted(rooms), self._by_name(since), since.minimum, now_by_name, now.minimum, limit
         )
@@ -348,9 +388,18 @@ class SyncHandler:
         in_order = not read or not recent or read[0].stream_ordering > recent[-1].stream_ordering
         recent.extend(read)
         self._recent_bytes += sum(len(e.content_json) for e in read)
-        if not in_order:
+        by_room = self._recent_by_room
+        if in_order:
+            for event in read:
+                room = by_room.get(event.room_id)
+                if room is None:
+                    by_room[event.room_id] = [event]
+                else:
+                    room.append(event)
+        else:
             # A writer that was behind completed events below some already kept: keep every event in order.
             recent.sort(key=_stream_ordering)
+            self._recent_by_room = by_room = _by_room(recent)
         self._recent_to = upto
         if len(recent) <= RECENT_EVENTS and self._recent_bytes <= RECENT_BYTES:
             return
@@ -365,13 +414,20 @@ class SyncHandler:
             self._keep_from(upto)
             return
         last = recent[drop - 1].stream_ordering
+        # Each room's dropped events are the first of its own (the same order): as many as it had dropped.
+        for room_id, count in Counter(e.room_id for e in recent[:drop]).items():
+            room = by_room[room_id]
+            if count == len(room):
+                del by_room[room_id]
+            else:
+                del room[:count]
         del recent[:drop]
         self._recent_bytes -= dropped
         self._recent_from = upto.clamp(last).merge(cast(StreamToken, self._recent_from))
 
     def _keep_from(self, token: StreamToken) -> None:
         """Start the recent events afresh: none kept, from ``token`` on."""
-        self._recent, self._recent_bytes = [], 0
+        self._recent, self._recent_by_room, self._recent_bytes = [], {}, 0
         self._recent_from = self._recent_to = token
 
     async def _wait_until_reached(self, token: StreamToken, deadline: float) -> None:

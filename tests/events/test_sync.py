@@ -454,16 +454,21 @@ class RecentEventsTest(TestCase):
     @given(steps=st.lists(st.tuples(st.sampled_from(sorted(_WRITERS)), st.integers(0, 4), st.booleans(),
                                     st.lists(st.sampled_from(_ROOMS), min_size=4, max_size=4),
                                     st.integers(0, 2**30), st.integers(1, 6)), min_size=1, max_size=40),
-           bound=st.sampled_from([3, 8, 1024]), bound_bytes=st.sampled_from([20, 60, 2**30]))
-    def test_windows_match_the_database(self, steps: list[Any], bound: int, bound_bytes: int) -> None:
+           bound=st.sampled_from([3, 8, 1024]), bound_bytes=st.sampled_from([20, 60, 2**30]),
+           lookup_cost=st.sampled_from([0, 4, 10**9]))
+    def test_windows_match_the_database(self, steps: list[Any], bound: int, bound_bytes: int,
+                                        lookup_cost: int) -> None:
         """Writers allocate IDs from one sequence and complete them later, out of step with each other (a writer
         behind completes IDs below ones already visible), or only move on; syncs from tokens of any earlier moment,
         or mixes of them, read windows of some rooms: each gets the database's answer, in order, with the recent
-        events kept within their bound (trimmed, or started afresh past it)."""
+        events kept within their bound (trimmed, or started afresh past it). Read room by room (a look-up cost of
+        0), by a scan of the window (one too high to pay) or by either as the sizes say: the same; and the kept
+        events by room are always the kept events, room by room, in order."""
         from synflow.events import sync as sync_module
 
         with mock.patch.object(sync_module, "RECENT_EVENTS", bound), \
-                mock.patch.object(sync_module, "RECENT_BYTES", bound_bytes):
+                mock.patch.object(sync_module, "RECENT_BYTES", bound_bytes), \
+                mock.patch.object(sync_module, "ROOM_LOOKUP_COST", lookup_cost):
             store = _WindowStore()
             sync = SyncHandler(store, _Handler(), _Instances(), Clock())  # type: ignore[arg-type]
             positions = dict.fromkeys(_WRITERS, 0)
@@ -504,6 +509,10 @@ class RecentEventsTest(TestCase):
                 self.assertLessEqual(len(sync._recent), bound)
                 self.assertLessEqual(sync._recent_bytes, bound_bytes)
                 self.assertEqual(sync._recent_bytes, sum(len(e.content_json) for e in sync._recent))
+                by_room: dict[str, list[SyncEvent]] = {}
+                for e in sync._recent:
+                    by_room.setdefault(e.room_id, []).append(e)
+                self.assertEqual(sync._recent_by_room, by_room)
 
     def test_a_chain_from_another_process_reads_from_memory(self) -> None:
         """A sync whose token is not one this process gave out, but within what it keeps, makes no read."""
