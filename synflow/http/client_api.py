@@ -61,6 +61,8 @@ from synflow.tokens import StreamToken
 PREFIX = "/_synflow/client/v1"
 _USERNAME = re.compile(r"[a-z0-9._=\-/]{1,64}\Z")
 _ROOM = r"(?P<room_id>![^/]{1,255})"
+#: A sync's device_id query argument.
+_device_id = re.compile(r"[A-Za-z0-9._\-]{1,64}").fullmatch
 _MXID = re.compile(r"@[a-z0-9._=\-/]{1,64}:[A-Za-z0-9.\-:\[\]]{1,255}\Z")
 
 #: ``createRoom`` presets and the join rule each sets.
@@ -276,7 +278,7 @@ class ClientApi(JsonResource):
         timeout = int_arg(request, "timeout", 0, maximum=self.limits.sync_max_timeout_ms)
         limit = int_arg(request, "limit", self.limits.sync_default_limit, minimum=1, maximum=self.limits.sync_max_limit)
         device = query_arg(request, "device_id")
-        if device is not None and not re.fullmatch(r"[A-Za-z0-9._\-]{1,64}", device):
+        if device is not None and not _device_id(device):
             raise HttpApiError(400, "M_INVALID_PARAM", "device_id must be 1-64 of A-Z a-z 0-9 . _ -")
         reader = f"{requester.user_id}/{device}" if device else requester.user_id
         # Per access token (a user's device): every sync chain of a client has its own bucket.

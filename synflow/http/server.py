@@ -587,12 +587,15 @@ def query_arg(request: Request, name: str) -> str | None:
         raise HttpApiError(400, "M_INVALID_PARAM", f"query parameter {name!r} is not UTF-8") from None
 
 
+_digits = re.compile(r"[0-9]{1,12}").fullmatch
+
+
 def int_arg(request: Request, name: str, default: int, *, minimum: int = 0, maximum: int | None = None) -> int:
     """An integer query argument, bounded, or 400 M_INVALID_PARAM."""
     raw = query_arg(request, name)
     if raw is None:
         return default
-    if not re.fullmatch(r"[0-9]{1,12}", raw):
+    if not _digits(raw):
         raise HttpApiError(400, "M_INVALID_PARAM", f"query parameter {name!r} must be a non-negative integer")
     value = int(raw)
     if value < minimum:
