@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import operator
-from bisect import bisect_right
+from bisect import bisect_right, insort
 from collections import Counter, deque
 from collections.abc import Callable
 from typing import cast
@@ -111,11 +111,6 @@ def _rooms_window(by_room: dict[str, list[SyncEvent]], rooms: frozenset[str], af
     return events[:limit]
 
 
-def _by_room(events: list[SyncEvent]) -> dict[str, list[SyncEvent]]:
-    by_room: dict[str, list[SyncEvent]] = {}
-    for event in events:
-        by_room.setdefault(event.room_id, []).append(event)
-    return by_room
 
 
 @attrs.frozen
@@ -388,18 +383,18 @@ class SyncHandler:
         in_order = not read or not recent or read[0].stream_ordering > recent[-1].stream_ordering
         recent.extend(read)
         self._recent_bytes += sum(len(e.content_json) for e in read)
-        by_room = self._recent_by_room
-        if in_order:
-            for event in read:
-                room = by_room.get(event.room_id)
-                if room is None:
-                    by_room[event.room_id] = [event]
-                else:
-                    room.append(event)
-        else:
+        if not in_order:
             # A writer that was behind completed events below some already kept: keep every event in order.
             recent.sort(key=_stream_ordering)
-            self._recent_by_room = by_room = _by_room(recent)
+        by_room = self._recent_by_room
+        for event in read:  # in order (the read's): each goes after its room's last, or, if below it, in its place
+            room = by_room.get(event.room_id)
+            if room is None:
+                by_room[event.room_id] = [event]
+            elif room[-1].stream_ordering < event.stream_ordering:
+                room.append(event)
+            else:
+                insort(room, event, key=_stream_ordering)
         self._recent_to = upto
         if len(recent) <= RECENT_EVENTS and self._recent_bytes <= RECENT_BYTES:
             return
