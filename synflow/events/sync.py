@@ -380,12 +380,17 @@ class SyncHandler:
             self._keep_from(upto)
             return
         recent = self._recent
-        in_order = not read or not recent or read[0].stream_ordering > recent[-1].stream_ordering
-        recent.extend(read)
+        if not read or not recent or read[0].stream_ordering > recent[-1].stream_ordering:
+            recent.extend(read)
+        else:
+            # A writer that was behind completed events below some already kept: the read (in order) and the
+            # kept events above its first, merged in order (two sorted runs, the older events untouched).
+            start = bisect_right(recent, read[0].stream_ordering, key=_stream_ordering)
+            merged = recent[start:]
+            merged.extend(read)
+            merged.sort(key=_stream_ordering)
+            recent[start:] = merged
         self._recent_bytes += sum(len(e.content_json) for e in read)
-        if not in_order:
-            # A writer that was behind completed events below some already kept: keep every event in order.
-            recent.sort(key=_stream_ordering)
         by_room = self._recent_by_room
         for event in read:  # in order (the read's): each goes after its room's last, or, if below it, in its place
             room = by_room.get(event.room_id)
