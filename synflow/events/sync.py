@@ -111,8 +111,6 @@ def _rooms_window(by_room: dict[str, list[SyncEvent]], rooms: frozenset[str], af
     return events[:limit]
 
 
-
-
 @attrs.frozen
 class SyncResult:
     next_batch: str
