@@ -1,4 +1,5 @@
-"""Compact JSON encoders built once, for the paths that encode on every event, row or request.
+"""Compact JSON encoders built once, for the paths that encode on every event, row or request, and the strict
+decoding helpers the request and replication parsers share.
 
 ``json.dumps(value, separators=(",", ":"))`` builds a ``JSONEncoder`` and,
 inside it, a fresh C encoder on every call, which costs about as much as
@@ -86,3 +87,26 @@ def loads(data: str | bytes) -> Any:
             if end == len(text):
                 return value
     return json.loads(data)
+
+
+def reject_constant(name: str) -> Any:
+    """``parse_constant`` for strict JSON: ``NaN``, ``Infinity`` and ``-Infinity`` are not JSON (a ``ValueError``)."""
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def nested_deeper_than(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests arrays and objects more than ``limit`` deep (a scalar is no level; iteratively)."""
+    if not isinstance(value, (dict, list)):
+        return False
+    if limit < 1:
+        return True
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        for child in children:
+            if isinstance(child, (dict, list)):
+                if depth + 1 > limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False

@@ -8,7 +8,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
-from synflow.json_encoding import compact_encoder, compact_json, compact_json_unicode, loads
+from synflow.json_encoding import (
+    compact_encoder,
+    compact_json,
+    compact_json_unicode,
+    loads,
+    nested_deeper_than,
+    reject_constant,
+)
 
 _scalars = st.none() | st.booleans() | st.integers() | st.floats() | st.text()
 _values = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
@@ -59,3 +66,33 @@ class LoadsTest(SynchronousTestCase):
         for data in (b'[1,2] x', b'\xef\xbb\xbf{"a":1}', "\ufeff{}", b'"\xc3\xa9"', b"\xff", b"NaN", b"", b"{",
                      bytearray(b'{"a":1}'), bytearray(b"{")):
             self.assertEqual(_outcome(loads, data), _outcome(json.loads, data), data)
+
+
+def _depth(value) -> int:
+    """Arrays and objects nested in ``value`` (a scalar is no level), recursively: the reference."""
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
+class StrictDecodingHelpersTest(SynchronousTestCase):
+    @given(_values, st.integers(0, 8))
+    def test_nested_deeper_than_is_the_depth(self, value, limit):
+        """For any value and limit, "nested deeper" is exactly "its depth of arrays and objects is above it"."""
+        self.assertEqual(nested_deeper_than(value, limit), _depth(value) > limit)
+
+    def test_nested_deeper_than_without_recursion(self):
+        """A nesting far past the interpreter's recursion limit is measured, not a RecursionError."""
+        deep: list = []
+        for _ in range(100_000):
+            deep = [deep]
+        self.assertTrue(nested_deeper_than(deep, 64))
+        self.assertFalse(nested_deeper_than(deep, 100_001))
+
+    def test_reject_constant(self):
+        """As a decoder's parse_constant: NaN and the infinities are refused with a ValueError naming them."""
+        for text, name in (("[NaN]", "NaN"), ('{"a": Infinity}', "Infinity"), ("-Infinity", "-Infinity")):
+            with self.assertRaisesRegex(ValueError, f"^{name} is not valid JSON$"):
+                json.loads(text, parse_constant=reject_constant)

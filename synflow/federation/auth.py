@@ -55,6 +55,7 @@ from synflow.federation.signing import (
 )
 from synflow.http.server import client_gone
 from synflow.http.site import PrefixRoot
+from synflow.json_encoding import nested_deeper_than, reject_constant
 from synflow.metrics import counter, series
 
 logger = logging.getLogger(__name__)
@@ -135,10 +136,10 @@ class FederationAuthResource(Resource):
         content: Any = None
         if raw.strip():
             try:
-                content = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+                content = json.loads(raw.decode("utf-8"), parse_constant=reject_constant)
             except (ValueError, RecursionError) as e:
                 return _json_body(request, 400, {"errcode": "M_NOT_JSON", "error": f"body is not valid JSON: {e}"})
-            if _deeper_than(content, MAX_JSON_DEPTH):
+            if nested_deeper_than(content, MAX_JSON_DEPTH):
                 return _json_body(request, 400, {"errcode": "M_BAD_JSON",
                                                  "error": f"JSON is nested more than {MAX_JSON_DEPTH} levels deep"})
         d = Deferred.fromCoroutine(self._authenticate(request, content))
@@ -204,24 +205,6 @@ class FederationAuthResource(Resource):
         if not client_gone(request):
             request.write(_json_body(request, code, body))
             request.finish()
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _deeper_than(value: Any, limit: int) -> bool:
-    """Whether ``value`` nests arrays/objects more than ``limit`` deep (iteratively)."""
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
-        for child in children:
-            if isinstance(child, (dict, list)):
-                if depth + 1 > limit:
-                    return True
-                stack.append((child, depth + 1))
-    return False
 
 
 class ServerKeyResource(Resource):

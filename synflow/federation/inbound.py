@@ -45,6 +45,7 @@ from synflow.federation.interfaces import DedupeStore, JsonDict
 from synflow.federation.pdus import INBOUND_PDUS_REFUSED, pdu_refusal
 from synflow.federation.policy import MAX_EDUS_PER_TRANSACTION, MAX_PDUS_PER_TRANSACTION
 from synflow.http.server import client_gone
+from synflow.json_encoding import nested_deeper_than, reject_constant
 from synflow.metrics import series
 
 logger = logging.getLogger(__name__)
@@ -87,27 +88,6 @@ def _bad(message: str, errcode: str = "M_BAD_JSON") -> HttpApiError:
     return HttpApiError(400, errcode, message)
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _depth_exceeds(value: Any, limit: int) -> bool:
-    """Whether ``value`` nests arrays/objects more than ``limit`` deep (iteratively)."""
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if isinstance(node, dict):
-            children: Sequence[Any] = list(node.values())
-        elif isinstance(node, list):
-            children = node
-        else:
-            continue
-        if depth > limit:
-            return True
-        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
-    return False
-
-
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -148,14 +128,14 @@ def _parse(raw_body: bytes, max_body_bytes: int, max_json_depth: int) -> dict[st
     except UnicodeDecodeError as e:
         raise _bad(f"body is not UTF-8: {e.reason} at byte {e.start}", "M_NOT_JSON") from None
     try:
-        body = json.loads(text, parse_constant=_reject_constant)
+        body = json.loads(text, parse_constant=reject_constant)
     except RecursionError:
         raise _bad(f"JSON is nested more than {max_json_depth} levels deep") from None
     except ValueError as e:
         raise _bad(f"body is not valid JSON: {e}", "M_NOT_JSON") from None
     if not isinstance(body, dict):
         raise _bad(f"body is a JSON {type(body).__name__}, not an object")
-    if _depth_exceeds(body, max_json_depth):
+    if nested_deeper_than(body, max_json_depth):
         raise _bad(f"JSON is nested more than {max_json_depth} levels deep")
     return body
 

@@ -45,7 +45,7 @@ from synflow.errors import (
     PersistRefused,
     RoomMoving,
 )
-from synflow.json_encoding import compact_encoder
+from synflow.json_encoding import compact_encoder, reject_constant
 from synflow.logbridge import log_text
 from synflow.metrics import histogram, series
 from synflow.tcp_write import write_now
@@ -300,10 +300,6 @@ def loggable_uri(uri: bytes) -> str:
     return (path + b"?" + b"&".join(parts)).decode("ascii", "backslashreplace")
 
 
-def _no_constants(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
 def _finite(text: str) -> float:
     value = float(text)
     if math.isinf(value):
@@ -312,7 +308,7 @@ def _finite(text: str) -> float:
 
 
 #: What ``json.loads(text, parse_constant=..., parse_float=...)`` builds on every call, built once.
-_body_decoder = json.JSONDecoder(parse_constant=_no_constants, parse_float=_finite)
+_body_decoder = json.JSONDecoder(parse_constant=reject_constant, parse_float=_finite)
 
 
 def _depth(value: Any, limit: int) -> int:

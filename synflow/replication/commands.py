@@ -48,7 +48,7 @@ except ImportError:  # pragma: no cover
     _msgspec_json = None  # type: ignore[assignment]
 
 from synflow.errors import LocalProtocolError, RemoteProtocolError
-from synflow.json_encoding import c_chunk_encoder
+from synflow.json_encoding import c_chunk_encoder, reject_constant
 from synflow.limits import MAX_LINE_LENGTH
 from synflow.slotted import check_layout
 
@@ -175,10 +175,6 @@ def _store_and_validate(cmd: Any, **fields: Any) -> None:
     attrs.validate(cmd)
 
 
-def _no_constants(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
 def _finite_float(text: str) -> float:
     value = float(text)
     if math.isinf(value):
@@ -196,7 +192,7 @@ def _row_default(value: Any) -> Any:
 
 
 _json_encoder = json.JSONEncoder(allow_nan=False, separators=(",", ":"), default=_row_default)
-_json_decoder = json.JSONDecoder(parse_constant=_no_constants, parse_float=_finite_float)
+_json_decoder = json.JSONDecoder(parse_constant=reject_constant, parse_float=_finite_float)
 
 # The C scanner and encoder behind the two objects above, called directly:
 # ``JSONDecoder.decode`` adds two whitespace regex matches per value and
