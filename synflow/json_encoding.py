@@ -103,7 +103,7 @@ def nested_deeper_than(value: Any, limit: int) -> bool:
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         node, depth = stack.pop()
-        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        children = node.values() if isinstance(node, dict) else node  # only arrays and objects are stacked
         for child in children:
             if isinstance(child, (dict, list)):
                 if depth + 1 > limit:

@@ -95,17 +95,14 @@ def _scan_window(recent: list[SyncEvent], first: int, rooms: frozenset[str], aft
 
 def _rooms_window(by_room: dict[str, list[SyncEvent]], rooms: frozenset[str], after: dict[str, int],
                   after_default: int, upto: dict[str, int], upto_default: int, limit: int) -> list[SyncEvent]:
-    """:func:`_scan_window` over the kept events by room: each room's from the lowest start on, merged."""
+    """:func:`_scan_window` of each room's kept events, from the lowest start on, merged (each room's first
+    ``limit`` are all the merge can take of it)."""
     events: list[SyncEvent] = []
     for room_id in rooms:
         room = by_room.get(room_id)
-        if not room:
-            continue
-        for event in room[bisect_right(room, after_default, key=_stream_ordering):]:
-            ordering = event.stream_ordering
-            writer = event.instance_name
-            if ordering > after.get(writer, after_default) and ordering <= upto.get(writer, upto_default):
-                events.append(event)
+        if room:
+            events += _scan_window(room, bisect_right(room, after_default, key=_stream_ordering), rooms, after,
+                                   after_default, upto, upto_default, limit)
     if len(events) > 1:
         events.sort(key=_stream_ordering)
     return events[:limit]
